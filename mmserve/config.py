@@ -1,0 +1,58 @@
+"""Frozen configuration dataclasses, built once (from the CLI or the Python API) and passed down.
+
+Units are in the field names. Derived values are properties. Hugging Face config quirks are handled in
+`ModelConfig.from_hf` only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class MediaConfig:
+    """Limits and policy for fetching and decoding client media.
+
+    These guard the server: every limit is checked before the expensive step it protects (bytes before
+    decoding, pixels before decompressing, frame count before decoding frames).
+    """
+
+    max_media_bytes: int = 32 * 1024 * 1024  # per item, after base64 decoding / download
+    max_image_pixels: int = 16_777_216  # 4096 x 4096; larger declared sizes are refused (decompression bombs)
+    max_image_aspect_ratio: float = 200.0  # the Qwen2-VL resize rule cannot handle more extreme shapes
+    fetch_timeout_s: float = 10.0  # whole download, connect to last byte
+    max_redirects: int = 5
+    max_video_frames: int = 32  # frames kept after sampling
+    video_fps: float | None = 2.0  # sampling rate; None samples max_video_frames uniformly
+    max_video_seconds: float = 600.0  # declared duration above this is refused before decoding
+    max_audio_seconds: float = 30.0
+    audio_sample_rate_hz: int = 16_000
+    # file:// references are only read below this directory (None: file:// refused).
+    allowed_local_media_path: str | None = None
+    # If non-empty, http(s) media may only come from these host names.
+    allowed_media_domains: tuple[str, ...] = ()
+    # Loopback / private / link-local / reserved destinations are refused unless this is set.
+    allow_private_urls: bool = False
+
+
+@dataclass(frozen=True)
+class VisionPreprocessConfig:
+    """Output-relevant preprocessing settings of the Qwen2-VL family.
+
+    Every field changes the pixels the tower sees, so all of them enter the content hash: an item
+    preprocessed with other settings is a different cache entry.
+    """
+
+    patch_size: int = 14
+    temporal_patch_size: int = 2
+    merge_size: int = 2
+    image_min_pixels: int = 56 * 56
+    image_max_pixels: int = 28 * 28 * 1280
+    video_min_pixels: int = 128 * 28 * 28
+    video_max_pixels: int = 768 * 28 * 28
+    image_mean: tuple[float, ...] = (0.48145466, 0.4578275, 0.40821073)
+    image_std: tuple[float, ...] = (0.26862954, 0.26130258, 0.27577711)
+
+    @property
+    def factor(self) -> int:
+        return self.patch_size * self.merge_size
