@@ -56,3 +56,49 @@ class VisionPreprocessConfig:
     @property
     def factor(self) -> int:
         return self.patch_size * self.merge_size
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """What the serving code needs to know about a checkpoint, read once from its HF config."""
+
+    model_path: str
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_model_len: int
+    eos_token_ids: tuple[int, ...]
+    image_token_id: int | None = None
+    video_token_id: int | None = None
+    uses_mrope: bool = False
+
+    @classmethod
+    def from_hf(cls, model_path: str, hf_config, max_model_len: int | None = None) -> ModelConfig:
+        text = hf_config.get_text_config()
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        eos = getattr(text, "eos_token_id", None) or getattr(hf_config, "eos_token_id", None)
+        eos_ids = tuple(eos) if isinstance(eos, list | tuple) else ((eos,) if eos is not None else ())
+        rope = getattr(text, "rope_parameters", None) or {}
+        return cls(
+            model_path=model_path,
+            model_type=hf_config.model_type,
+            vocab_size=text.vocab_size,
+            hidden_size=text.hidden_size,
+            num_layers=text.num_hidden_layers,
+            num_heads=text.num_attention_heads,
+            num_kv_heads=getattr(text, "num_key_value_heads", None) or text.num_attention_heads,
+            head_dim=head_dim,
+            max_model_len=min(max_model_len or text.max_position_embeddings, text.max_position_embeddings),
+            eos_token_ids=eos_ids,
+            image_token_id=getattr(hf_config, "image_token_id", None),
+            video_token_id=getattr(hf_config, "video_token_id", None),
+            uses_mrope="mrope_section" in rope,
+        )
+
+    @property
+    def kv_bytes_per_token_fp32(self) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * 4

@@ -1,0 +1,91 @@
+"""The offline model kit: plain-transformers loading, size, tokens, template, proportions of `small`."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers import AutoModelForImageTextToText, AutoTokenizer
+
+from mmserve.models.loader import load_model_config, resolve_model_path
+from mmserve.testing.tiny_models import SPECIAL_TOKENS, ensure_tiny_model, make_hf_config, make_tokenizer
+
+
+def test_loads_with_plain_transformers(tiny_model_dir):
+    model = AutoModelForImageTextToText.from_pretrained(tiny_model_dir)
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    assert model.config.image_token_id == tok.convert_tokens_to_ids("<|image_pad|>")
+    assert model.config.video_token_id == tok.convert_tokens_to_ids("<|video_pad|>")
+    for t in SPECIAL_TOKENS:
+        assert tok.convert_tokens_to_ids(t) < model.config.text_config.vocab_size
+    assert model.config.text_config.initializer_range == 0.5
+
+
+def test_tiny_is_well_under_one_megabyte(tiny_model_dir):
+    weights = os.path.getsize(os.path.join(tiny_model_dir, "model.safetensors"))
+    assert weights < 700_000
+
+
+def test_chat_template_has_one_placeholder_per_item(tiny_qwen2_vl):
+    tok = AutoTokenizer.from_pretrained(tiny_qwen2_vl)
+    msgs = [
+        {
+            "role": "user",
+            "content": [{"type": "image_url"}, {"type": "image_url"}, {"type": "text", "text": "hi"}],
+        }
+    ]
+    text = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+    assert text.count("<|image_pad|>") == 2
+    assert text.startswith("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n")
+    assert text.endswith("hi<|im_end|>\n<|im_start|>assistant\n")
+    assert tok.decode(tok("hello world")["input_ids"]) == "hello world"
+
+
+def test_model_config_from_hf(tiny_qwen2_vl):
+    cfg = load_model_config(tiny_qwen2_vl)
+    assert (cfg.model_type, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim) == ("qwen2_vl", 2, 2, 16)
+    assert cfg.uses_mrope and cfg.eos_token_ids
+    assert cfg.kv_bytes_per_token_fp32 == 2 * 2 * 2 * 16 * 4
+
+
+def test_seed_determinism_and_ensure_reuses(tmp_path):
+    a = ensure_tiny_model(str(tmp_path / "a"), seed=3)
+    mtime = os.path.getmtime(os.path.join(a, "model.safetensors"))
+    assert ensure_tiny_model(a, seed=3) == a
+    assert os.path.getmtime(os.path.join(a, "model.safetensors")) == mtime
+    b = ensure_tiny_model(str(tmp_path / "b"), seed=3)
+    ma = AutoModelForImageTextToText.from_pretrained(a)
+    mb = AutoModelForImageTextToText.from_pretrained(b)
+    assert all(
+        torch.equal(x, y) for x, y in zip(ma.state_dict().values(), mb.state_dict().values(), strict=True)
+    )
+
+
+@pytest.mark.parametrize("arch,vision_range", [("qwen2_vl", (80e6, 130e6)), ("qwen2_5_vl", (70e6, 130e6))])
+def test_small_has_realistic_proportions(arch, vision_range):
+    config = make_hf_config(arch, "small", make_tokenizer("small"))
+    with torch.device("meta"):
+        model = AutoModelForImageTextToText.from_config(config)
+    lm = sum(p.numel() for p in model.model.language_model.parameters()) + model.lm_head.weight.numel()
+    vision = sum(p.numel() for p in model.model.visual.parameters())
+    assert 0.3e9 <= lm <= 0.5e9
+    assert vision_range[0] <= vision <= vision_range[1]
+
+
+def test_resolve_model_path(tiny_qwen2_vl):
+    assert resolve_model_path(tiny_qwen2_vl) == os.path.abspath(tiny_qwen2_vl)
+    with pytest.raises(FileNotFoundError):
+        resolve_model_path("./no/such/dir")
+
+
+def test_cli_make_tiny_model(tmp_path):
+    out = tmp_path / "m"
+    proc = subprocess.run(
+        [sys.executable, "-m", "mmserve.cli", "make-tiny-model", "--arch", "qwen2_5_vl", "--out", str(out)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert AutoModelForImageTextToText.from_pretrained(out).config.model_type == "qwen2_5_vl"
