@@ -102,3 +102,31 @@ class ModelConfig:
     @property
     def kv_bytes_per_token_fp32(self) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * 4
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Language-engine settings; field names mirror the CLI flags (`--max-num-batched-tokens` ...)."""
+
+    model: str
+    dtype: str = "float32"
+    device: str = "cpu"
+    max_model_len: int | None = None
+    max_num_batched_tokens: int = 2048  # tokens computed per forward (prefill chunks + decodes)
+    max_num_seqs: int = 64  # cap on running requests
+    kv_cache_mb: float | None = None  # KV pool budget; None: kv_cache_memory_fraction of available memory
+    kv_cache_memory_fraction: float = 0.2
+    disable_prefix_cache: bool = False
+    embedding_cache_mb: float = 512.0
+    mm_processor_kwargs: tuple[tuple[str, object], ...] = ()
+    media: MediaConfig = MediaConfig()
+
+    def __post_init__(self) -> None:
+        if self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_batched_tokens must be >= 1")
+        if self.max_num_seqs < 1:
+            raise ValueError("max_num_seqs must be >= 1")
+        if self.kv_cache_mb is not None and self.kv_cache_mb <= 0:
+            raise ValueError("kv_cache_mb must be > 0")
+        if not 0 < self.kv_cache_memory_fraction <= 0.95:
+            raise ValueError("kv_cache_memory_fraction must be in (0, 0.95]")

@@ -1,4 +1,4 @@
-"""Byte-budgeted LRU of item embeddings, keyed by content hash, with single-flight computation.
+"""Byte-budgeted LRU of item embeddings (tensors, or objects with `nbytes`), keyed by content hash, with single-flight computation.
 
 Thread-safe: the encoder's HTTP handlers and its batching worker share one cache. `get_or_compute` makes
 concurrent callers for the same key wait for one computation instead of running it again (NOTE: the waiter
@@ -15,8 +15,9 @@ from dataclasses import dataclass
 import torch
 
 
-def tensor_nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
+def tensor_nbytes(value) -> int:
+    """Bytes held by a cached value: a tensor, or any object with an `nbytes` attribute."""
+    return int(value.nbytes)
 
 
 @dataclass

@@ -1,0 +1,1 @@
+"""Engine core: sampling parameters, sampler and incremental detokenizer."""

@@ -1,0 +1,167 @@
+"""The language engine: scheduler + model runner + sampler + (monolithic) in-process encoder.
+
+`add_request` encodes a request's media through the encoder (cache by content hash), expands placeholders
+into pad values, computes M-RoPE positions once, and queues it. `step` runs one scheduled forward, samples,
+applies finish rules and returns what each request produced. Single-threaded: the owner calls `add_request`,
+`abort` and `step` from one thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+
+from mmserve.config import EngineConfig, ModelConfig
+from mmserve.encoder.runner import EncodedItem, EncodeTimings, MultimodalEncoder, VisionTower
+from mmserve.engine.kv_pool import KVPool
+from mmserve.engine.model_runner import ModelRunner
+from mmserve.engine.radix_cache import NoPrefixCache, RadixCache
+from mmserve.engine.request import Request
+from mmserve.engine.sampler import Sampler, make_generator
+from mmserve.engine.sampling_params import SamplingParams
+from mmserve.engine.scheduler import Scheduler, SchedulerConfig
+from mmserve.models.loader import load_model_config, load_processor, parse_dtype
+from mmserve.multimodal.cache import EmbeddingCache
+from mmserve.multimodal.embedding import PlacedEmbedding
+from mmserve.multimodal.items import Modality
+from mmserve.multimodal.media import MediaRef
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class StepOutput:
+    request_id: str
+    token_id: int | None  # None when the request ended without a new token (abort)
+    finish_reason: str | None  # "stop" / "length" / "abort" once finished
+
+
+def available_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def build_kv_pool(cfg: EngineConfig, model: ModelConfig) -> KVPool:
+    device, dtype = torch.device(cfg.device), parse_dtype(cfg.dtype)
+    if cfg.kv_cache_mb is not None:
+        budget = int(cfg.kv_cache_mb * 1024 * 1024)
+    else:
+        budget = int(available_memory_bytes(device) * cfg.kv_cache_memory_fraction)
+    per_token = KVPool.bytes_per_token(model.num_layers, model.num_kv_heads, model.head_dim, dtype)
+    if budget < per_token:
+        raise ValueError(f"KV cache budget of {budget} bytes holds no token ({per_token} bytes per token)")
+    return KVPool.from_budget(budget, model.num_layers, model.num_kv_heads, model.head_dim, dtype, device)
+
+
+class Engine:
+    def __init__(self, cfg: EngineConfig) -> None:
+        self.cfg = cfg
+        self.model_config = load_model_config(cfg.model, cfg.max_model_len)
+        self.runner = ModelRunner(cfg.model, self.model_config, cfg.dtype, cfg.device)
+        self.pool = build_kv_pool(cfg, self.model_config)
+        prefix_cache = NoPrefixCache() if cfg.disable_prefix_cache else RadixCache(self.pool)
+        sched_cfg = SchedulerConfig(
+            cfg.max_num_batched_tokens, cfg.max_num_seqs, self.model_config.max_model_len
+        )
+        self.scheduler = Scheduler(sched_cfg, self.pool, prefix_cache)
+        self.sampler = Sampler()
+        self.processor = load_processor(cfg.model, self.runner.model.config, dict(cfg.mm_processor_kwargs))
+        self.encoder = MultimodalEncoder(
+            VisionTower(self.runner.model.model),
+            self.processor,
+            EmbeddingCache(cfg.embedding_cache_mb),
+            cfg.media,
+        )
+        self.requests: dict[str, Request] = {}
+        per_token = KVPool.bytes_per_token(self.model_config.num_layers, self.model_config.num_kv_heads,
+                                           self.model_config.head_dim, parse_dtype(cfg.dtype))  # fmt: skip
+        logger.info(
+            "KV cache: %d tokens, %.1f MB (%d bytes per token); max model len %d",
+            self.pool.num_slots, self.pool.num_slots * per_token / 2**20, per_token, self.model_config.max_model_len,
+        )  # fmt: skip
+
+    # -- requests -------------------------------------------------------------------------------
+    def encode(self, media: list[tuple[Modality, MediaRef]], timings: EncodeTimings) -> list[EncodedItem]:
+        return [self.encoder.encode(modality, ref, timings) for modality, ref in media]
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        media: list[tuple[Modality, MediaRef]] | None = None,
+        encoded: list[EncodedItem] | None = None,
+    ) -> Request:
+        """Queue a request whose prompt has one placeholder token per media item.
+
+        Raises MediaError (bad media) or ValueError (bad prompt / too long); nothing is queued then.
+        """
+        if request_id in self.requests:
+            raise ValueError(f"duplicate request id {request_id!r}")
+        timings = EncodeTimings()
+        if encoded is None:
+            encoded = self.encode(media or [], timings)
+        items = [e.to_item() for e in encoded]
+        expanded = self.processor.expand(prompt_token_ids, items)
+        self.scheduler.check_fits(len(expanded.token_ids), params.max_tokens)
+        positions, rope_delta = self.processor.positions(expanded)
+        by_hash = {e.content_hash: e for e in encoded}
+        embeddings = [PlacedEmbedding(it.offset, by_hash[it.content_hash].embedding) for it in expanded.items]
+        req = Request(
+            request_id, expanded.token_ids, params, items=expanded.items, embeddings=embeddings,
+            positions=positions if self.model_config.uses_mrope else None, rope_delta=rope_delta,
+            generator=make_generator(params), encode_timings=timings,
+        )  # fmt: skip
+        self.scheduler.add(req)
+        self.requests[request_id] = req
+        return req
+
+    def abort(self, request_id: str, reason: str = "abort") -> None:
+        """End a request now, freeing all it holds. Unknown or finished ids are ignored."""
+        req = self.requests.pop(request_id, None)
+        if req is not None:
+            self.scheduler.finish(req, reason)
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    # -- one step -------------------------------------------------------------------------------
+    def step(self) -> list[StepOutput]:
+        chunks = self.scheduler.schedule()
+        if not chunks:
+            return []
+        logits = self.runner.forward(chunks, self.pool)
+        sampled_reqs = [c.request for c in chunks if c.samples]
+        tokens = self.sampler(logits, [r.params for r in sampled_reqs], [r.generator for r in sampled_reqs])
+        outputs = []
+        for req, token in zip(sampled_reqs, tokens.tolist(), strict=True):
+            req.append_output(token)
+            reason = self._finish_reason(req, token)
+            if reason is not None:
+                self.scheduler.finish(req, reason)
+                self.requests.pop(req.request_id, None)
+            outputs.append(StepOutput(req.request_id, token, reason))
+        return outputs
+
+    def _finish_reason(self, req: Request, token: int) -> str | None:
+        params = req.params
+        if token in params.stop_token_ids or (
+            not params.ignore_eos and token in self.model_config.eos_token_ids
+        ):
+            return "stop"
+        if len(req.output_ids) >= params.max_tokens or len(req.token_ids) >= self.model_config.max_model_len:
+            return "length"
+        return None
+
+    def check_integrity(self) -> None:
+        self.scheduler.check_integrity()
+        self.encoder.cache.check_integrity()

@@ -1,0 +1,89 @@
+"""Runs one packed forward of the language model over our KV pool.
+
+A batch is a list of chunks `[start, end)` of requests' token sequences: prefill chunks (which may cut an
+image's tokens anywhere) and decode tokens, packed into one `[1, total_tokens, hidden]` row. Input rows are
+text embeddings with image rows spliced in (`splice_chunk`); positions are each request's precomputed
+M-RoPE positions for prompt tokens and `index + rope_delta` after the prompt. `lm_head` runs only on the
+last row of each chunk that reaches the end of its request's known tokens (the rows that are sampled).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from mmserve.config import ModelConfig
+from mmserve.engine.attention import AttentionMetadata, SeqAttention, register_attention
+from mmserve.engine.kv_pool import KVPool
+from mmserve.engine.request import Request
+from mmserve.models.loader import load_model, parse_dtype
+from mmserve.multimodal.embedding import splice_chunk
+
+
+@dataclass
+class ScheduledChunk:
+    request: Request
+    start: int  # compute tokens [start, end) of request.token_ids
+    end: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.end - self.start
+
+    @property
+    def samples(self) -> bool:
+        return self.end == len(self.request.token_ids)
+
+
+class ModelRunner:
+    """Owns the model (vision tower kept for the in-process encoder) and runs packed LM forwards."""
+
+    def __init__(
+        self, model_path: str, model_config: ModelConfig, dtype: str = "float32", device: str = "cpu"
+    ):
+        name = register_attention()
+        self.model = load_model(model_path, dtype=dtype, device=device,
+                                attn_implementation={"": "sdpa", "text_config": name, "vision_config": "sdpa"})  # fmt: skip
+        self.config = model_config
+        self.dtype = parse_dtype(dtype)
+        self.device = torch.device(device)
+        self.language_model = self.model.model.language_model
+        self.embed_tokens = self.language_model.get_input_embeddings()
+        self.lm_head = self.model.lm_head
+
+    def positions(self, request: Request, start: int, end: int) -> torch.Tensor:
+        """Position ids (3, n) of tokens [start, end)."""
+        parts = []
+        prompt_len = request.prompt_len
+        if start < prompt_len:
+            if request.positions is not None:
+                parts.append(request.positions[:, start : min(end, prompt_len)])
+            else:
+                parts.append(torch.arange(start, min(end, prompt_len)).expand(3, -1))
+        if end > prompt_len:
+            tail = torch.arange(max(start, prompt_len), end) + request.rope_delta
+            parts.append(tail.expand(3, -1))
+        return torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
+
+    @torch.no_grad()
+    def forward(self, chunks: list[ScheduledChunk], pool: KVPool) -> torch.Tensor:
+        """KV of every chunk token is written to the pool; returns logits (num_sampling_chunks, vocab) fp32."""
+        embeds, positions, new_slots, seqs, sample_rows = [], [], [], [], []
+        row = 0
+        for chunk in chunks:
+            req, n = chunk.request, chunk.num_tokens
+            ids = torch.tensor(req.token_ids[chunk.start : chunk.end], dtype=torch.int64)
+            embeds.append(splice_chunk(ids, chunk.start, self.embed_tokens, req.embeddings))
+            positions.append(self.positions(req, chunk.start, chunk.end))
+            new_slots.append(req.slot_buffer[chunk.start : chunk.end])
+            seqs.append(SeqAttention.make(row, n, req.slot_buffer[: chunk.end]))
+            row += n
+            if chunk.samples:
+                sample_rows.append(row - 1)
+        meta = AttentionMetadata(pool.k_cache, pool.v_cache, torch.cat(new_slots).to(self.device), seqs)
+        inputs = torch.cat(embeds).unsqueeze(0).to(self.device, self.dtype)  # (1, T, hidden)
+        pos = torch.cat(positions, dim=1).unsqueeze(1).to(self.device)  # (3, 1, T)
+        hidden = self.language_model(inputs_embeds=inputs, position_ids=pos, use_cache=False, mm_attn=meta)
+        rows = hidden.last_hidden_state[0, sample_rows]  # (num_samples, hidden)
+        return self.lm_head(rows).float()

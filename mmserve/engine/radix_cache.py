@@ -1,0 +1,300 @@
+"""Token-level radix tree mapping token prefixes to KV slots, for prefix caching.
+
+Keys are int64 token ids, including image/video/audio pad values (hash-derived, up to 2**63 - 1), so two
+prompts with the same text but different media diverge at the first differing pad value.
+
+Ownership: the tree owns exactly one pool reference for each slot stored in it, taken in `insert` and
+dropped in `evict`/`reset`. `match` takes no references: a caller that keeps the matched slots must
+`pool.ref` them itself, and should `lock` the handle so the path cannot be evicted meanwhile.
+
+LRU timestamps come from a counter bumped once per `match`/`insert`, so eviction order is deterministic.
+Not thread-safe: callers must hold the scheduler's lock (or be the scheduler thread) for every method.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from mmserve.engine.kv_pool import KVPool
+
+
+@dataclass
+class MatchResult:
+    """The longest cached prefix of a query; the slots are owned by the cache, not the caller."""
+
+    slots: torch.Tensor  # int64 slots of the longest cached prefix, one per matched token
+    handle: object  # opaque; pass to lock/unlock
+
+    @property
+    def num_tokens(self) -> int:
+        return self.slots.numel()
+
+
+class PrefixCache(Protocol):
+    """What the engine needs from a prefix cache; `RadixCache` documents each method's contract."""
+
+    def match(self, tokens: Sequence[int]) -> MatchResult: ...
+    def lock(self, handle: object) -> None: ...
+    def unlock(self, handle: object) -> None: ...
+    def insert(self, tokens: Sequence[int], slots: torch.Tensor) -> int: ...
+    def evict(self, num_tokens: int) -> int: ...
+    @property
+    def total_tokens(self) -> int: ...
+    @property
+    def evictable_tokens(self) -> int: ...
+    def reset(self) -> None: ...
+    def check_integrity(self) -> None: ...
+
+
+def _empty_slots() -> torch.Tensor:
+    return torch.empty(0, dtype=torch.int64)
+
+
+class _Node:
+    __slots__ = ("key", "slots", "parent", "children", "lock_ref", "last_access")
+
+    def __init__(self, key: list[int], slots: torch.Tensor, parent: _Node | None, last_access: int) -> None:
+        self.key = key
+        self.slots = slots
+        self.parent = parent  # None for the root and for evicted nodes
+        self.children: dict[int, _Node] = {}
+        self.lock_ref = 0
+        self.last_access = last_access
+
+
+def _common_prefix_len(key: list[int], tokens: Sequence[int], start: int) -> int:
+    n = min(len(key), len(tokens) - start)
+    i = 0
+    while i < n and key[i] == tokens[start + i]:
+        i += 1
+    return i
+
+
+class RadixCache:
+    """Radix tree of token prefixes over the slots of `pool`; see the module docstring for ownership."""
+
+    def __init__(self, pool: KVPool) -> None:
+        self.pool = pool
+        self._clock = 0
+        self._init_tree()
+
+    def _init_tree(self) -> None:
+        self._root = _Node([], _empty_slots(), None, 0)
+        # Insertion-ordered set of non-root childless nodes, so eviction need not walk the whole tree.
+        self._leaves: dict[_Node, None] = {}
+        self._total_tokens = 0
+        self._evictable_tokens = 0
+
+    @property
+    def total_tokens(self) -> int:
+        return self._total_tokens
+
+    @property
+    def evictable_tokens(self) -> int:
+        return self._evictable_tokens
+
+    def match(self, tokens: Sequence[int]) -> MatchResult:
+        """Longest cached prefix of `tokens`. Takes no pool references.
+
+        Mutates LRU times along the path, and splits an edge if the match ends inside it (so the handle is
+        an exact node); slot ownership is unchanged. Caller must hold the scheduler's lock.
+        """
+        node, _, parts = self._descend(tokens)
+        return MatchResult(slots=torch.cat(parts) if parts else _empty_slots(), handle=node)
+
+    def lock(self, handle: object) -> None:
+        """Protect the path root..handle from eviction (one more lock on each node of it). `handle` must
+        come from a `match` with no `evict` in between (or be locked already). Mutates lock counts; the
+        caller owns the lock and must `unlock` it once. Caller must hold the scheduler's lock."""
+        node = self._as_node(handle)
+        assert node is self._root or node.parent is not None, "lock of an evicted handle"
+        while node is not None:
+            if node.lock_ref == 0:
+                self._evictable_tokens -= len(node.key)
+            node.lock_ref += 1
+            node = node.parent
+
+    def unlock(self, handle: object) -> None:
+        """Undo one `lock(handle)` held by the caller. Mutates lock counts."""
+        node = self._as_node(handle)
+        while node is not None:
+            assert node.lock_ref > 0, "unlock without a matching lock"
+            node.lock_ref -= 1
+            if node.lock_ref == 0:
+                self._evictable_tokens += len(node.key)
+            node = node.parent
+
+    def insert(self, tokens: Sequence[int], slots: torch.Tensor) -> int:
+        """Store `tokens -> slots`; returns the length of the prefix that was already present.
+
+        For that prefix the tree keeps its own slots (the caller's are duplicates it still owns); for the
+        rest the tree takes one reference on the caller's slots via `pool.ref`. Mutates the tree, LRU times
+        and pool refcounts. Caller must hold the scheduler's lock and own live references to `slots`.
+        """
+        slots = slots.to(device="cpu", dtype=torch.int64).reshape(-1)
+        assert slots.numel() == len(tokens), f"{slots.numel()} slots for {len(tokens)} tokens"
+        node, matched, _ = self._descend(tokens)
+        if matched < len(tokens):
+            new_slots = slots[matched:].clone()
+            self.pool.ref(new_slots)
+            leaf = _Node(list(tokens[matched:]), new_slots, node, self._clock)
+            node.children[leaf.key[0]] = leaf
+            self._leaves.pop(node, None)
+            self._leaves[leaf] = None
+            self._total_tokens += len(leaf.key)
+            self._evictable_tokens += len(leaf.key)  # unlocked even if `node` is locked
+        return matched
+
+    def evict(self, num_tokens: int) -> int:
+        """Remove unlocked leaves, least recently used first (a parent whose last child goes becomes a
+        leaf), until at least `num_tokens` tokens are gone or nothing evictable remains.
+
+        Mutates the tree and drops its pool references (`pool.free`) on removed slots, which return to the
+        free list only if no request holds them. Returns tokens removed. Caller must hold the scheduler's lock.
+        """
+        tie = itertools.count()
+        heap = [(n.last_access, next(tie), n) for n in self._leaves if n.lock_ref == 0]
+        heapq.heapify(heap)
+        removed = 0
+        while removed < num_tokens and heap:
+            _, _, node = heapq.heappop(heap)
+            parent = node.parent
+            assert parent is not None and not node.children and node.lock_ref == 0
+            self.pool.free(node.slots)
+            del parent.children[node.key[0]]
+            del self._leaves[node]
+            node.parent = None
+            removed += len(node.key)
+            self._total_tokens -= len(node.key)
+            self._evictable_tokens -= len(node.key)
+            if parent is not self._root and not parent.children:
+                self._leaves[parent] = None
+                if parent.lock_ref == 0:
+                    heapq.heappush(heap, (parent.last_access, next(tie), parent))
+        return removed
+
+    def reset(self) -> None:
+        """Drop every node and the tree's pool references. No handle may be locked. Mutates the tree and
+        pool refcounts; caller must hold the scheduler's lock."""
+        assert self._root.lock_ref == 0, "reset while handles are locked"
+        stack = list(self._root.children.values())
+        while stack:
+            node = stack.pop()
+            self.pool.free(node.slots)
+            node.parent = None
+            stack.extend(node.children.values())
+        self._init_tree()
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError if the tree's structure, counters or pool references are inconsistent.
+        Mutates nothing."""
+        root = self._root
+        assert root.parent is None and not root.key and root.slots.numel() == 0, "malformed root"
+        total = evictable = 0
+        parts: list[torch.Tensor] = []
+        leaves: set[_Node] = set()
+        stack = [root]
+        while stack:
+            node = stack.pop()
+            assert node.lock_ref >= 0, f"negative lock_ref {node.lock_ref}"
+            child_locks = sum(c.lock_ref for c in node.children.values())
+            assert node.lock_ref >= child_locks, f"lock_ref {node.lock_ref} < children's {child_locks}"
+            assert node.last_access <= self._clock, "last_access in the future"
+            for first, child in node.children.items():
+                assert child.parent is node, "child's parent pointer is wrong"
+                assert len(child.key) == child.slots.numel() > 0, "key/slots length mismatch or empty"
+                assert child.key[0] == first, f"child keyed by {first} starts with {child.key[0]}"
+                assert child.slots.dtype == torch.int64 and child.slots.dim() == 1, "slots not 1-D int64"
+                stack.append(child)
+            if node is root:
+                continue
+            total += len(node.key)
+            evictable += len(node.key) if node.lock_ref == 0 else 0
+            parts.append(node.slots)
+            if not node.children:
+                leaves.add(node)
+        assert total == self._total_tokens, f"total_tokens {self._total_tokens} but tree holds {total}"
+        assert evictable == self._evictable_tokens, f"evictable {self._evictable_tokens}, actual {evictable}"
+        assert leaves == set(self._leaves), "leaf set out of sync with the tree"
+        stored = torch.cat([_empty_slots(), *parts])
+        assert torch.unique(stored).numel() == stored.numel(), "a slot appears twice in the tree"
+        assert bool((self.pool.refcount(stored) >= 1).all()), "tree holds a slot with refcount 0"
+
+    def _descend(self, tokens: Sequence[int]) -> tuple[_Node, int, list[torch.Tensor]]:
+        """Walk the longest present prefix of `tokens`, splitting the last edge if the prefix ends inside
+        it; stamp the path with a fresh LRU time. Returns (deepest node, tokens matched, slot parts)."""
+        self._clock += 1
+        node, matched, parts = self._root, 0, []
+        node.last_access = self._clock
+        while matched < len(tokens):
+            child = node.children.get(tokens[matched])
+            if child is None:
+                break
+            common = _common_prefix_len(child.key, tokens, matched)
+            if common < len(child.key):
+                child = self._split(child, common)
+            child.last_access = self._clock
+            parts.append(child.slots)
+            matched += common
+            node = child
+        return node, matched, parts
+
+    def _split(self, node: _Node, at: int) -> _Node:
+        """Cut `node`'s edge after `at` tokens; returns the new upper node. `node` keeps the lower part, so
+        handles to it stay valid and still denote the same prefix. Counts are unchanged."""
+        parent = node.parent
+        assert parent is not None and 0 < at < len(node.key)
+        upper = _Node(node.key[:at], node.slots[:at].clone(), parent, node.last_access)
+        upper.lock_ref = node.lock_ref  # every lock through `node` passes through `upper`
+        upper.children[node.key[at]] = node
+        parent.children[upper.key[0]] = upper
+        node.key = node.key[at:]
+        node.slots = node.slots[at:].clone()
+        node.parent = upper
+        return upper
+
+    def _as_node(self, handle: object) -> _Node:
+        assert isinstance(handle, _Node), f"not a RadixCache handle: {handle!r}"
+        return handle
+
+
+class NoPrefixCache:
+    """A `PrefixCache` that caches nothing (`--disable-prefix-cache`)."""
+
+    def match(self, tokens: Sequence[int]) -> MatchResult:
+        """Always the empty prefix. Mutates nothing."""
+        return MatchResult(slots=_empty_slots(), handle=None)
+
+    def lock(self, handle: object) -> None:
+        """No-op."""
+
+    def unlock(self, handle: object) -> None:
+        """No-op."""
+
+    def insert(self, tokens: Sequence[int], slots: torch.Tensor) -> int:
+        """Stores nothing and takes no references; returns 0."""
+        return 0
+
+    def evict(self, num_tokens: int) -> int:
+        """Nothing to evict; returns 0."""
+        return 0
+
+    @property
+    def total_tokens(self) -> int:
+        return 0
+
+    @property
+    def evictable_tokens(self) -> int:
+        return 0
+
+    def reset(self) -> None:
+        """No-op."""
+
+    def check_integrity(self) -> None:
+        """Nothing to check."""

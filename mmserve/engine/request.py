@@ -1,0 +1,86 @@
+"""A request inside the engine: its tokens, its KV slots, its multimodal items, its progress.
+
+Lengths are derived: `token_ids` = prompt + outputs; `num_computed` tokens have KV in `slots`;
+`remaining` = tokens still to compute before the next sample. A request is prefilling while
+`remaining > 1` (a chunk may stop anywhere, inside an image included) and decoding when exactly the last
+sampled token is left to compute.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from mmserve.engine.sampling_params import SamplingParams
+from mmserve.multimodal.embedding import PlacedEmbedding
+from mmserve.multimodal.items import MultimodalItem
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_ids: list[int]  # expanded: item tokens carry their pad values
+    params: SamplingParams
+    items: list[MultimodalItem] = field(default_factory=list)
+    embeddings: list[PlacedEmbedding] = field(default_factory=list)
+    positions: torch.Tensor | None = None  # (3, prompt_len) M-RoPE positions, None for 1-D RoPE
+    rope_delta: int = 0
+    generator: torch.Generator | None = None
+
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: str | None = None
+    output_ids: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    num_cached_tokens: int = 0  # prompt tokens reused from the prefix cache at first admission
+    prefix_handle: object | None = None  # locked radix node while running
+    num_retractions: int = 0
+    encode_timings: object | None = None  # EncodeTimings of the in-process encoder, if it encoded
+
+    arrival_time: float = field(default_factory=time.perf_counter)
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finish_time: float | None = None
+
+    def __post_init__(self) -> None:
+        self.token_ids = list(self.prompt_ids)
+        # Slot of every computed token; sized for the whole request so appends never reallocate.
+        self.slot_buffer = torch.empty(len(self.prompt_ids) + self.params.max_tokens, dtype=torch.int64)
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def max_len(self) -> int:
+        return self.slot_buffer.shape[0]
+
+    @property
+    def slots(self) -> torch.Tensor:
+        return self.slot_buffer[: self.num_computed]
+
+    @property
+    def remaining(self) -> int:
+        return len(self.token_ids) - self.num_computed
+
+    @property
+    def is_prefill(self) -> bool:
+        return self.remaining > 1 or not self.output_ids
+
+    @property
+    def finished(self) -> bool:
+        return self.status == RequestStatus.FINISHED
+
+    def append_output(self, token_id: int) -> None:
+        if self.first_token_time is None:
+            self.first_token_time = time.perf_counter()
+        self.output_ids.append(token_id)
+        self.token_ids.append(token_id)

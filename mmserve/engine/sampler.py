@@ -1,0 +1,120 @@
+"""Batched token sampling: greedy, temperature, top-k, top-p (nucleus) and min-p."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from mmserve.engine.sampling_params import SamplingParams
+
+
+def make_generator(params: SamplingParams) -> torch.Generator | None:
+    """A CPU generator seeded from `params.seed`, or None when the request has no seed.
+
+    The engine keeps one per request and passes it to every sampling step, so the same seed and the same
+    logits give the same tokens.
+    """
+    if params.seed is None:
+        return None
+    return torch.Generator().manual_seed(params.seed)
+
+
+class Sampler:
+    """Pick one token per row of a logits batch according to each row's `SamplingParams`."""
+
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        generators: list[torch.Generator | None],
+    ) -> torch.Tensor:
+        """Sample token ids.
+
+        `logits` is (B, vocab); `params` and `generators` have B entries each. Returns int64 ids of shape
+        (B,) on the logits' device. Greedy rows are exactly `argmax` of the raw logits.
+        """
+        if logits.dim() != 2:
+            raise ValueError(f"logits must be 2-D (batch, vocab), got shape {tuple(logits.shape)}")
+        if len(params) != logits.shape[0] or len(generators) != logits.shape[0]:
+            raise ValueError(
+                f"params ({len(params)}) and generators ({len(generators)}) must have one entry per "
+                f"logits row ({logits.shape[0]})"
+            )
+        logits = logits.float()
+        out = torch.argmax(logits, dim=-1)
+        rows = [i for i, p in enumerate(params) if not p.greedy]
+        if not rows:
+            return out
+        row_idx = torch.tensor(rows, device=logits.device)
+        sub_params = [params[i] for i in rows]
+        sorted_probs, sorted_ids = _filtered_sorted_probs(logits[row_idx], sub_params)
+        picks = _sample_rows(sorted_probs, [generators[i] for i in rows])
+        out[row_idx] = sorted_ids.gather(1, picks.unsqueeze(1)).squeeze(1)
+        return out
+
+
+def _filtered_sorted_probs(
+    logits: torch.Tensor, params: list[SamplingParams]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Apply temperature, top-k, top-p and min-p; return probabilities sorted descending and their ids."""
+    device = logits.device
+    temperature = torch.tensor([p.temperature for p in params], device=device).unsqueeze(1)
+    # Shift so the max is 0 before dividing: a tiny temperature then yields -inf tails, never inf - inf.
+    scaled = (logits - logits.max(dim=-1, keepdim=True).values) / temperature
+    # A stable sort makes the order (and hence seeded sampling) deterministic on tied logits.
+    sorted_logits, sorted_ids = torch.sort(scaled, dim=-1, descending=True, stable=True)
+    positions = torch.arange(sorted_logits.shape[1], device=device).unsqueeze(0)
+
+    remove = _top_k_mask(positions, params, device)
+    sorted_logits = sorted_logits.masked_fill(remove, -math.inf)
+    remove |= _top_p_mask(sorted_logits, params, device)
+    remove |= _min_p_mask(sorted_logits, params, device)
+    # The most likely token survives every filter.
+    remove[:, 0] = False
+    probs = torch.softmax(sorted_logits.masked_fill(remove, -math.inf), dim=-1)
+    return probs, sorted_ids
+
+
+def _top_k_mask(positions: torch.Tensor, params: list[SamplingParams], device: torch.device) -> torch.Tensor:
+    vocab = positions.shape[1]
+    k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=device).unsqueeze(1)
+    return positions >= k
+
+
+def _top_p_mask(
+    sorted_logits: torch.Tensor, params: list[SamplingParams], device: torch.device
+) -> torch.Tensor:
+    top_p = torch.tensor([p.top_p for p in params], device=device).unsqueeze(1)
+    probs = torch.softmax(sorted_logits, dim=-1)
+    # A token is dropped once the tokens strictly before it already reach top_p.
+    mass_before = torch.cumsum(probs, dim=-1) - probs
+    remove = mass_before >= top_p
+    # top_p == 1 must keep everything, even where rounding pushes the cumulative sum to 1 early.
+    return remove & (top_p < 1.0)
+
+
+def _min_p_mask(
+    sorted_logits: torch.Tensor, params: list[SamplingParams], device: torch.device
+) -> torch.Tensor:
+    min_p = torch.tensor([p.min_p for p in params], device=device).unsqueeze(1)
+    probs = torch.softmax(sorted_logits, dim=-1)
+    return probs < min_p * probs[:, :1]
+
+
+def _sample_rows(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+    """One multinomial draw per row: seeded rows use their own generator, the rest share the default RNG."""
+    picks = torch.empty(probs.shape[0], dtype=torch.long, device=probs.device)
+    unseeded = [i for i, g in enumerate(generators) if g is None]
+    if unseeded:
+        idx = torch.tensor(unseeded, device=probs.device)
+        picks[idx] = torch.multinomial(probs[idx], 1).squeeze(1)
+    for i, gen in enumerate(generators):
+        if gen is None:
+            continue
+        row = probs[i : i + 1]
+        # Seeded generators live on the CPU; draw there so results do not depend on the logits' device.
+        if row.device != gen.device:
+            row = row.to(gen.device)
+        picks[i] = torch.multinomial(row, 1, generator=gen).squeeze(1).to(probs.device)[0]
+    return picks

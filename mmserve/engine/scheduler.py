@@ -1,0 +1,189 @@
+"""Continuous batching: which tokens of which requests the next forward computes.
+
+Policy (one line): continue running prefills, then admit waiting requests, then give every decoding
+request one token, all within `max_num_batched_tokens`; chunks may stop anywhere (inside an image too).
+
+Slot ownership (see kv_pool / radix_cache):
+| holder          | owns                                                       | released by            |
+| request         | one pool reference per computed token (`request.slots`)    | `_release`             |
+| prefix cache    | one pool reference per token stored in the tree            | `evict` / `reset`      |
+| request (lock)  | one lock on the matched radix path while running           | `_release`             |
+A request's matched prefix slots are `pool.ref`'d, so a request always frees all of its slots the same way.
+On finish, abort and retraction its computed tokens are inserted into the prefix cache first, so a
+retracted request usually recomputes little.
+
+When the pool is exhausted: evict the prefix cache, then retract the newest running request (free its slots,
+requeue it at the front, recompute later). Requests that can never fit are refused in `add`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from mmserve.engine.kv_pool import KVPool
+from mmserve.engine.model_runner import ScheduledChunk
+from mmserve.engine.radix_cache import PrefixCache
+from mmserve.engine.request import Request, RequestStatus
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    max_model_len: int
+
+
+@dataclass
+class SchedulerStats:
+    prefix_queries_tokens: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_hit_tokens: int = 0  # of which found
+    retractions: int = 0
+
+
+class Scheduler:
+    def __init__(self, cfg: SchedulerConfig, pool: KVPool, prefix_cache: PrefixCache) -> None:
+        self.cfg = cfg
+        self.pool = pool
+        self.prefix_cache = prefix_cache
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.stats = SchedulerStats()
+
+    # -- admission ------------------------------------------------------------------------------
+    def check_fits(self, prompt_len: int, max_tokens: int) -> None:
+        """Raise ValueError if a request of this size can never run."""
+        total = prompt_len + max_tokens
+        if prompt_len >= self.cfg.max_model_len:
+            raise ValueError(
+                f"prompt has {prompt_len} tokens (images expanded), the model's context is {self.cfg.max_model_len}"
+            )
+        if total > self.pool.num_slots:
+            raise ValueError(
+                f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) = {total} tokens exceeds the KV cache "
+                f"capacity of {self.pool.num_slots} tokens; lower max_tokens or raise --kv-cache-mb"
+            )
+
+    def add(self, request: Request) -> None:
+        self.check_fits(request.prompt_len, request.params.max_tokens)
+        self.waiting.append(request)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- one step -------------------------------------------------------------------------------
+    def schedule(self) -> list[ScheduledChunk]:
+        """Pick the next batch; allocates the slots of every scheduled token (and advances num_computed)."""
+        batch: dict[str, ScheduledChunk] = {}
+        budget = self.cfg.max_num_batched_tokens
+        for req in [r for r in self.running if r.is_prefill]:
+            if budget == 0:
+                break
+            budget -= self._grow(req, min(req.remaining, budget), batch)
+        while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
+            req = self.waiting[0]
+            if not self._admit(req, budget, batch):
+                break
+            budget -= batch[req.request_id].num_tokens
+        for req in [r for r in self.running if not r.is_prefill and r.request_id not in batch]:
+            if budget == 0:
+                break
+            budget -= self._grow(req, 1, batch)
+        return list(batch.values())
+
+    def _admit(self, req: Request, budget: int, batch: dict[str, ScheduledChunk]) -> bool:
+        first_time = req.first_scheduled_time is None
+        lookup = req.token_ids[:-1]  # the last token is always computed: its logits are needed
+        match = self.prefix_cache.match(lookup)
+        self.prefix_cache.lock(match.handle)
+        n = min(req.remaining - match.num_tokens, budget)
+        slots = self._alloc(n)
+        if slots is None:
+            self.prefix_cache.unlock(match.handle)
+            return False
+        self.pool.ref(match.slots)
+        req.prefix_handle = match.handle
+        req.slot_buffer[: match.num_tokens] = match.slots
+        req.num_computed = match.num_tokens
+        if first_time:
+            req.first_scheduled_time = time.perf_counter()
+            req.num_cached_tokens = min(match.num_tokens, req.prompt_len)
+            self.stats.prefix_queries_tokens += req.prompt_len
+            self.stats.prefix_hit_tokens += req.num_cached_tokens
+        self.waiting.popleft()
+        self.running.append(req)
+        req.status = RequestStatus.RUNNING
+        self._append(req, slots, batch)
+        return True
+
+    def _grow(self, req: Request, n: int, batch: dict[str, ScheduledChunk]) -> int:
+        """Schedule n more tokens of a running request, retracting others if memory is short.
+        Returns the tokens scheduled (0 if `req` itself had to be retracted)."""
+        while (slots := self._alloc(n)) is None:
+            victim = self.running[-1]
+            self.retract(victim, batch)
+            if victim is req:
+                return 0
+        self._append(req, slots, batch)
+        return n
+
+    def _append(self, req: Request, slots: torch.Tensor, batch: dict[str, ScheduledChunk]) -> None:
+        start = req.num_computed
+        req.slot_buffer[start : start + slots.numel()] = slots
+        req.num_computed += slots.numel()
+        batch[req.request_id] = ScheduledChunk(req, start, req.num_computed)
+
+    def _alloc(self, n: int) -> torch.Tensor | None:
+        slots = self.pool.alloc(n)
+        if slots is None and self.prefix_cache.evict(n - self.pool.num_free) > 0:
+            slots = self.pool.alloc(n)
+        return slots
+
+    # -- leaving the running set ----------------------------------------------------------------
+    def retract(self, req: Request, batch: dict[str, ScheduledChunk] | None = None) -> None:
+        """Free a running request's slots and requeue it first in line; it recomputes later."""
+        chunk = batch.pop(req.request_id, None) if batch is not None else None
+        if chunk is not None:  # its KV for this step is not written yet: un-schedule it
+            self.pool.free(req.slot_buffer[chunk.start : chunk.end])
+            req.num_computed = chunk.start
+        self._release(req)
+        self.running.remove(req)
+        req.status = RequestStatus.WAITING
+        req.num_retractions += 1
+        self.stats.retractions += 1
+        self.waiting.appendleft(req)
+
+    def finish(self, req: Request, reason: str) -> None:
+        """End a request (stop / length / abort): frees everything it holds, at once."""
+        if req.finished:
+            return
+        if req.status == RequestStatus.RUNNING:
+            self._release(req)
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
+        req.finish_time = time.perf_counter()
+
+    def _release(self, req: Request) -> None:
+        computed = req.num_computed
+        if computed:
+            self.prefix_cache.insert(req.token_ids[:computed], req.slots)
+            self.pool.free(req.slots)
+        if req.prefix_handle is not None:
+            self.prefix_cache.unlock(req.prefix_handle)
+            req.prefix_handle = None
+        req.num_computed = 0
+
+    def check_integrity(self) -> None:
+        self.pool.check_integrity()
+        self.prefix_cache.check_integrity()
+        held = sum(r.num_computed for r in self.running)
+        assert all(r.num_computed == 0 for r in self.waiting)
+        if not self.running:
+            assert self.pool.num_used == self.prefix_cache.total_tokens, (self.pool.num_used, held)

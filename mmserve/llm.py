@@ -1,0 +1,133 @@
+"""Offline Python API shaped like vLLM's: `LLM(model, **engine_config)`, `.chat(...)`, `.generate(...)`.
+
+All requests of one call run concurrently through the same scheduler loop. Stop strings are handled here,
+by each request's incremental detokenizer (the engine works on token ids only).
+"""
+
+from __future__ import annotations
+
+import io
+import itertools
+from dataclasses import dataclass, field
+from typing import Any
+
+from mmserve.config import EngineConfig, MediaConfig
+from mmserve.engine.detokenizer import IncrementalDetokenizer
+from mmserve.engine.engine import Engine
+from mmserve.engine.sampling_params import SamplingParams
+from mmserve.models.loader import load_tokenizer, resolve_model_path
+from mmserve.multimodal.items import Modality
+from mmserve.multimodal.media import MediaRef
+from mmserve.multimodal.messages import parse_messages
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    prompt_token_ids: list[int] = field(repr=False)  # expanded (item tokens are pad values)
+    num_cached_tokens: int = 0
+
+
+def _media_ref(value: Any) -> MediaRef:
+    if isinstance(value, MediaRef):
+        return value
+    if isinstance(value, str):
+        return MediaRef.parse(value)
+    if isinstance(value, bytes | bytearray):
+        return MediaRef.from_bytes(bytes(value))
+    if hasattr(value, "save"):  # a PIL image: hand the encoder lossless bytes
+        buf = io.BytesIO()
+        value.save(buf, format="PNG")
+        return MediaRef.from_bytes(buf.getvalue())
+    raise ValueError(f"unsupported media value of type {type(value).__name__}")
+
+
+class LLM:
+    def __init__(self, model: str, **engine_config: Any) -> None:
+        media = engine_config.pop("media", None)
+        if media is None:
+            media_keys = set(MediaConfig.__dataclass_fields__) & set(engine_config)
+            media = MediaConfig(**{k: engine_config.pop(k) for k in media_keys})
+        kwargs = dict(engine_config)
+        if isinstance(kwargs.get("mm_processor_kwargs"), dict):
+            kwargs["mm_processor_kwargs"] = tuple(kwargs["mm_processor_kwargs"].items())
+        path = resolve_model_path(model)
+        self.engine = Engine(EngineConfig(model=path, media=media, **kwargs))
+        self.tokenizer = load_tokenizer(path)
+        self._ids = itertools.count()
+
+    # -- public API -----------------------------------------------------------------------------
+    def chat(self, conversations: list, sampling_params: SamplingParams | list[SamplingParams] | None = None):
+        """One output per conversation (a list of OpenAI-style messages), in order."""
+        if conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]
+        prompts = []
+        for messages in conversations:
+            template, media = parse_messages(messages)
+            text = self.tokenizer.apply_chat_template(template, add_generation_prompt=True, tokenize=False)
+            prompts.append((self.tokenizer(text, add_special_tokens=False)["input_ids"], media))
+        return self._run(prompts, sampling_params)
+
+    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None):
+        """Raw prompts: strings, token id lists, or {"prompt" | "prompt_token_ids", "multi_modal_data"}.
+
+        `multi_modal_data` maps "image" / "video" to one item or a list (URL strings, bytes, PIL images);
+        the prompt must hold one placeholder token per item.
+        """
+        if isinstance(prompts, str | dict):
+            prompts = [prompts]
+        prepared = []
+        for prompt in prompts:
+            if isinstance(prompt, str):
+                prompt = {"prompt": prompt}
+            elif isinstance(prompt, list):
+                prompt = {"prompt_token_ids": prompt}
+            ids = prompt.get("prompt_token_ids")
+            if ids is None:
+                ids = self.tokenizer(prompt["prompt"], add_special_tokens=False)["input_ids"]
+            media = []
+            for key, values in (prompt.get("multi_modal_data") or {}).items():
+                values = values if isinstance(values, list) else [values]
+                media.extend((Modality(key), _media_ref(v)) for v in values)
+            prepared.append((list(ids), media))
+        return self._run(prepared, sampling_params)
+
+    # -- the loop -------------------------------------------------------------------------------
+    def _run(self, prompts: list[tuple[list[int], list]], sampling_params) -> list[RequestOutput]:
+        params = (
+            sampling_params
+            if isinstance(sampling_params, list)
+            else [sampling_params or SamplingParams()] * len(prompts)
+        )
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
+        order, detoks, reqs = [], {}, {}
+        try:
+            for (ids, media), p in zip(prompts, params, strict=True):
+                rid = f"llm-{next(self._ids)}"
+                reqs[rid] = self.engine.add_request(rid, ids, p, media)
+                detoks[rid] = IncrementalDetokenizer(self.tokenizer, p)
+                order.append(rid)
+        except Exception:
+            for rid in order:
+                self.engine.abort(rid)
+            raise
+        while self.engine.has_work:
+            for out in self.engine.step():
+                det = detoks.get(out.request_id)
+                if det is None or out.token_id is None:
+                    continue
+                det.add(out.token_id)
+                if det.stopped and out.finish_reason is None:
+                    self.engine.abort(out.request_id, reason="stop")
+        results = []
+        for rid in order:
+            req, det = reqs[rid], detoks[rid]
+            if not det.stopped:
+                det.finish()
+            results.append(RequestOutput(rid, det.text, list(req.output_ids), req.finish_reason or "abort",
+                                         req.prompt_ids, req.num_cached_tokens))  # fmt: skip
+        return results

@@ -1,0 +1,121 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mmserve.engine.kv_pool import KVPool
+
+
+def make_pool(num_slots: int = 8) -> KVPool:
+    return KVPool(num_slots, num_layers=2, num_kv_heads=2, head_dim=4, dtype=torch.float16)
+
+
+def t(*slots: int) -> torch.Tensor:
+    return torch.tensor(slots, dtype=torch.int64)
+
+
+def test_layout_is_zeroed_per_layer():
+    pool = make_pool(5)
+    assert len(pool.k_cache) == len(pool.v_cache) == 2
+    for cache in pool.k_cache + pool.v_cache:
+        assert cache.shape == (5, 2, 4) and cache.dtype == torch.float16
+        assert not cache.any()
+    assert pool.k_cache[0].data_ptr() != pool.k_cache[1].data_ptr() != pool.v_cache[0].data_ptr()
+
+
+def test_alloc_gives_distinct_slots_with_refcount_one():
+    pool = make_pool(8)
+    a = pool.alloc(3)
+    b = pool.alloc(5)
+    assert a.dtype == torch.int64 and a.numel() == 3 and b.numel() == 5
+    assert sorted(torch.cat([a, b]).tolist()) == list(range(8))
+    assert pool.refcount(torch.cat([a, b])).tolist() == [1] * 8
+    assert (pool.num_free, pool.num_used, pool.usage) == (0, 8, 1.0)
+    pool.check_integrity()
+
+
+def test_alloc_zero_and_failure_allocate_nothing():
+    pool = make_pool(4)
+    empty = pool.alloc(0)
+    assert empty.numel() == 0 and empty.dtype == torch.int64
+    held = pool.alloc(3)
+    assert pool.alloc(2) is None
+    assert pool.num_free == 1 and pool.refcount(held).tolist() == [1, 1, 1]
+    pool.check_integrity()
+    assert pool.alloc(1) is not None and pool.alloc(1) is None
+
+
+def test_free_returns_slots_and_they_are_reused():
+    pool = make_pool(4)
+    slots = pool.alloc(4)
+    assert pool.free(slots[:2]) == 2
+    assert pool.num_free == 2 and pool.usage == 0.5
+    again = pool.alloc(2)
+    assert sorted(again.tolist()) == sorted(slots[:2].tolist())
+    pool.check_integrity()
+
+
+def test_sharing_keeps_slot_until_last_owner_frees():
+    pool = make_pool(4)
+    slots = pool.alloc(2)
+    pool.ref(slots)  # e.g. the prefix cache takes its own reference
+    pool.ref(slots[:1])
+    assert pool.refcount(slots).tolist() == [3, 2]
+    assert pool.free(slots) == 0
+    assert pool.free(slots) == 1  # second slot reaches 0
+    assert pool.refcount(slots).tolist() == [1, 0]
+    assert pool.free(slots[:1]) == 1
+    assert pool.num_free == 4
+    pool.check_integrity()
+
+
+def test_duplicate_slots_in_one_call_count_twice():
+    pool = make_pool(4)
+    s = pool.alloc(1)
+    pool.ref(torch.cat([s, s]))
+    assert pool.refcount(s).tolist() == [3]
+    assert pool.free(torch.cat([s, s, s])) == 1
+    pool.check_integrity()
+
+
+def test_ref_of_free_slot_and_double_free_assert_without_mutating():
+    pool = make_pool(4)
+    s = pool.alloc(1)
+    free_slot = t(next(i for i in range(4) if i != int(s)))
+    with pytest.raises(AssertionError):
+        pool.ref(free_slot)
+    pool.free(s)
+    with pytest.raises(AssertionError):
+        pool.free(s)
+    with pytest.raises(AssertionError):
+        pool.free(t(4))  # out of range
+    pool.check_integrity()
+    assert pool.num_free == 4
+
+
+def test_bytes_per_token_and_from_budget():
+    per = KVPool.bytes_per_token(num_layers=3, num_kv_heads=2, head_dim=8, dtype=torch.bfloat16)
+    assert per == 2 * 3 * 2 * 8 * 2
+    pool = KVPool.from_budget(per * 10 + per - 1, 3, 2, 8, torch.bfloat16)
+    assert pool.num_slots == 10 and pool.k_cache[2].shape == (10, 2, 8)
+    assert KVPool.from_budget(per, 3, 2, 8, torch.bfloat16).num_slots == 1
+    assert KVPool.bytes_per_token(1, 1, 1, torch.float32) == 8
+    with pytest.raises(ValueError):
+        KVPool.from_budget(per - 1, 3, 2, 8, torch.bfloat16)
+
+
+@pytest.mark.parametrize("corruption", ["duplicate_free", "free_with_ref", "leaked", "negative"])
+def test_check_integrity_detects_corruption(corruption):
+    pool = make_pool(4)
+    slots = pool.alloc(2)
+    pool.check_integrity()
+    if corruption == "duplicate_free":
+        pool._free.append(pool._free[0])
+    elif corruption == "free_with_ref":
+        pool._refcount[pool._free[0]] = 1
+    elif corruption == "leaked":  # refcount 0 but not on the free list
+        pool._refcount[slots[0]] = 0
+    else:
+        pool._refcount[slots[0]] = -1
+    with pytest.raises(AssertionError):
+        pool.check_integrity()
