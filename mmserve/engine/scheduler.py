@@ -83,7 +83,8 @@ class Scheduler:
         for req in [r for r in self.running if r.is_prefill]:
             if budget == 0:
                 break
-            budget -= self._grow(req, min(req.remaining, budget), batch)
+            if req.status == RequestStatus.RUNNING:  # not retracted by an earlier _grow of this loop
+                budget -= self._grow(req, min(req.remaining, budget), batch)
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
             req = self.waiting[0]
             if not self._admit(req, budget, batch):
@@ -92,7 +93,8 @@ class Scheduler:
         for req in [r for r in self.running if not r.is_prefill and r.request_id not in batch]:
             if budget == 0:
                 break
-            budget -= self._grow(req, 1, batch)
+            if req.status == RequestStatus.RUNNING:
+                budget -= self._grow(req, 1, batch)
         return list(batch.values())
 
     def _admit(self, req: Request, budget: int, batch: dict[str, ScheduledChunk]) -> bool:
@@ -183,7 +185,10 @@ class Scheduler:
     def check_integrity(self) -> None:
         self.pool.check_integrity()
         self.prefix_cache.check_integrity()
-        held = sum(r.num_computed for r in self.running)
-        assert all(r.num_computed == 0 for r in self.waiting)
+        assert all(r.num_computed == 0 and r.status == RequestStatus.WAITING for r in self.waiting)
+        assert all(r.status == RequestStatus.RUNNING for r in self.running)
         if not self.running:
-            assert self.pool.num_used == self.prefix_cache.total_tokens, (self.pool.num_used, held)
+            assert self.pool.num_used == self.prefix_cache.total_tokens, (
+                self.pool.num_used,
+                self.prefix_cache.total_tokens,
+            )

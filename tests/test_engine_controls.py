@@ -1,0 +1,130 @@
+"""Negative controls (each deliberate bug must change the tokens) and user-facing sampling behaviour."""
+
+from __future__ import annotations
+
+import pytest
+
+from mmserve import LLM, SamplingParams
+from mmserve.engine import attention
+from mmserve.multimodal.items import PAD_BASE, MultimodalItem
+from tests.engine_helpers import image_case
+from tests.test_engine_parity import assert_idle_and_clean, greedy, make_llm, make_oracle
+
+CASES = [image_case([60, 61], "Compare the two images.", sizes=[(64, 48), (96, 64)])]
+
+
+@pytest.fixture(scope="module")
+def oracle(tiny_qwen2_vl):
+    return make_oracle(tiny_qwen2_vl)
+
+
+def tokens(llm: LLM, cases=CASES) -> list[list[int]]:
+    return [o.token_ids for o in llm.chat([c.messages for c in cases], [greedy() for _ in cases])]
+
+
+def test_control_top_left_causal_mask_for_a_chunk(tiny_qwen2_vl, oracle, monkeypatch):
+    llm = make_llm(tiny_qwen2_vl, max_num_batched_tokens=7)
+    assert tokens(llm) == [oracle(CASES[0]).token_ids]  # the real path is right...
+    # ...and dropping the bottom-right mask makes chunks use SDPA's top-left `is_causal`.
+    monkeypatch.setattr(attention.SeqAttention, "make", staticmethod(
+        lambda q_start, q_len, kv_slots: attention.SeqAttention(q_start, q_len, kv_slots, None)))  # fmt: skip
+    assert tokens(make_llm(tiny_qwen2_vl, max_num_batched_tokens=7)) != [oracle(CASES[0]).token_ids]
+
+
+def test_control_missing_rope_delta(tiny_qwen2_vl, oracle, monkeypatch):
+    from mmserve.multimodal.processors.qwen2_vl import QwenVLProcessor
+
+    real = QwenVLProcessor.positions
+    monkeypatch.setattr(QwenVLProcessor, "positions", lambda self, ex: (real(self, ex)[0], 0))
+    assert tokens(make_llm(tiny_qwen2_vl)) != [oracle(CASES[0]).token_ids]
+
+
+def test_control_prefix_reused_across_different_images(tiny_qwen2_vl, oracle, monkeypatch):
+    a, b = image_case([70], "Describe the image."), image_case([71], "Describe the image.")
+    llm = make_llm(tiny_qwen2_vl)
+    # If every image had the same pad value, the radix tree would hand b the KV of a's image.
+    monkeypatch.setattr(MultimodalItem, "pad_value", property(lambda self: PAD_BASE + 1))
+    tokens(llm, [a])
+    out_b = tokens(llm, [b])[0]
+    assert out_b != oracle(b).token_ids
+    assert llm.engine.scheduler.stats.prefix_hit_tokens > 0
+
+
+def test_same_seed_same_sample_different_seed_differs(tiny_qwen2_vl):
+    llm = make_llm(tiny_qwen2_vl)
+    case = image_case([80], "Write something.")
+
+    def sample(seed):
+        params = SamplingParams(
+            temperature=1.0, top_p=0.95, top_k=50, seed=seed, max_tokens=24, ignore_eos=True
+        )
+        return llm.chat([case.messages], params)[0].token_ids
+
+    first = sample(7)
+    assert sample(7) == first
+    # Seeded sampling does not depend on what else is in the batch.
+    both = llm.chat([case.messages, case.messages],
+                    [SamplingParams(temperature=1.0, seed=7, top_p=0.95, top_k=50, max_tokens=24, ignore_eos=True),
+                     SamplingParams(temperature=1.0, seed=8, max_tokens=24, ignore_eos=True)])  # fmt: skip
+    assert both[0].token_ids == first
+    assert sample(8) != first
+    assert_idle_and_clean(llm)
+
+
+def test_stop_string_never_in_output_and_ends_request(tiny_qwen2_vl):
+    llm = make_llm(tiny_qwen2_vl)
+    case = image_case([90], "Describe the image.")
+    full = llm.chat([case.messages], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))[0]
+    assert len(full.text) > 6
+    stop = full.text[3:6]  # a substring of what the model would say
+    out = llm.chat(
+        [case.messages], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=[stop])
+    )[0]
+    assert stop not in out.text
+    assert full.text.startswith(out.text) and out.text == full.text[: full.text.index(stop)]
+    assert out.finish_reason == "stop"
+    assert len(out.token_ids) < len(full.token_ids)
+    assert_idle_and_clean(llm)
+
+
+def test_stop_token_ids_and_eos(tiny_qwen2_vl):
+    llm = make_llm(tiny_qwen2_vl)
+    case = image_case([91], "Describe the image.")
+    full = llm.chat([case.messages], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0]
+    stop_id = full.token_ids[4]
+    out = llm.chat([case.messages], SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[stop_id]))[0]
+    assert out.finish_reason == "stop"
+    assert out.token_ids == full.token_ids[: full.token_ids.index(stop_id) + 1]
+
+
+def test_generate_with_raw_prompt_and_multimodal_data(tiny_qwen2_vl, oracle):
+    from tests.conftest import random_image
+
+    llm = make_llm(tiny_qwen2_vl)
+    case = image_case([60, 61], "Compare the two images.", sizes=[(64, 48), (96, 64)])
+    text = llm.tokenizer.apply_chat_template(
+        [{"role": "user", "content": [{"type": "image"}, {"type": "image"}, {"type": "text", "text": "Compare the two images."}]}],
+        add_generation_prompt=True, tokenize=False,
+    )  # fmt: skip
+    images = [random_image(60, 64, 48), random_image(61, 96, 64)]
+    out = llm.generate({"prompt": text, "multi_modal_data": {"image": images}}, greedy())[0]
+    assert out.token_ids == oracle(case).token_ids
+
+
+def test_bad_inputs_raise_clear_errors_and_leave_engine_clean(tiny_qwen2_vl):
+    from mmserve.multimodal.errors import MediaError
+
+    llm = make_llm(tiny_qwen2_vl)
+    bad = [
+        {
+            "role": "user",
+            "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,@@@"}}],
+        }
+    ]
+    with pytest.raises(MediaError, match="base64"):
+        llm.chat([bad], greedy())
+    with pytest.raises(ValueError, match="unsupported content part"):
+        llm.chat([[{"role": "user", "content": [{"type": "hologram"}]}]], greedy())
+    with pytest.raises(ValueError, match="max_tokens"):
+        SamplingParams(max_tokens=0)
+    assert_idle_and_clean(llm)
