@@ -23,6 +23,88 @@ def _demo(args: argparse.Namespace) -> int:
     return 0 if run_demo(args.model_dir) else 1
 
 
+def _bench_engine(args: argparse.Namespace) -> int:
+    from mmserve.bench import engine_bench
+
+    width, height = (int(x) for x in args.image_size.lower().split("x"))
+    results = engine_bench.run(
+        args.model, [int(c) for c in args.concurrency.split(",")], args.num_requests, args.hf_requests,
+        args.output_tokens, args.rounds, (width, height), args.dtype, args.kv_cache_mb,
+    )  # fmt: skip
+    print(engine_bench.report(results))
+    return 0
+
+
+def _json_arg(text: str | None, flag: str) -> dict:
+    import json
+
+    if not text:
+        return {}
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise SystemExit(f"{flag}: not valid JSON: {e}") from e
+    if not isinstance(value, dict):
+        raise SystemExit(f"{flag}: expected a JSON object")
+    return value
+
+
+def engine_config_from_args(args: argparse.Namespace):
+    from mmserve.config import EngineConfig, MediaConfig
+    from mmserve.models.loader import resolve_model_path
+
+    media = MediaConfig(
+        max_media_bytes=int(args.max_media_mb * 2**20), fetch_timeout_s=args.media_fetch_timeout_s,
+        allowed_local_media_path=args.allowed_local_media_path,
+        allowed_media_domains=tuple(args.allowed_media_domains or ()), allow_private_urls=args.allow_private_media_urls,
+    )  # fmt: skip
+    return EngineConfig(
+        model=resolve_model_path(args.model), dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
+        max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+        kv_cache_mb=args.kv_cache_mb, disable_prefix_cache=args.disable_prefix_cache,
+        embedding_cache_mb=args.embedding_cache_mb,
+        mm_processor_kwargs=tuple(_json_arg(args.mm_processor_kwargs, "--mm-processor-kwargs").items()), media=media,
+    )  # fmt: skip
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from mmserve.config import ServerConfig
+    from mmserve.server.launch import serve
+
+    limits = {"image": 8, "video": 1, "audio": 1}
+    limits.update(_json_arg(args.limit_mm_per_prompt, "--limit-mm-per-prompt"))
+    server_cfg = ServerConfig(
+        host=args.host, port=args.port, served_model_name=args.served_model_name or args.model,
+        api_key=args.api_key, limit_mm_per_prompt=tuple((k, int(v)) for k, v in limits.items()),
+        max_waiting_requests=args.max_waiting_requests, max_request_body_bytes=int(args.max_request_body_mb * 2**20),
+        log_level=args.log_level,
+    )  # fmt: skip
+    return serve(server_cfg, engine_config_from_args(args))
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="local checkpoint directory or hub id")
+    p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 | auto")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--max-num-seqs", type=int, default=64, help="cap on running requests")
+    p.add_argument("--kv-cache-mb", type=float, default=None, help="KV budget (default: 20%% of free memory)")
+    p.add_argument("--disable-prefix-cache", action="store_true")
+    p.add_argument("--embedding-cache-mb", type=float, default=512)
+    p.add_argument("--mm-processor-kwargs", default=None, help="JSON, e.g. '{\"max_pixels\": 802816}'")
+    p.add_argument(
+        "--allowed-local-media-path", default=None, help="file:// media is read only below this dir"
+    )
+    p.add_argument(
+        "--allowed-media-domains", nargs="*", default=None, help="http(s) media only from these hosts"
+    )
+    p.add_argument("--allow-private-media-urls", action="store_true",
+                   help="allow media URLs on loopback/private addresses (intranets, tests)")  # fmt: skip
+    p.add_argument("--max-media-mb", type=float, default=32)
+    p.add_argument("--media-fetch-timeout-s", type=float, default=10)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="mmserve", description="Multimodal LLM serving with EPD disaggregation"
@@ -35,6 +117,32 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--size", choices=["tiny", "small"], default="tiny")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_make_tiny_model)
+
+    p = sub.add_parser("serve", help="OpenAI-compatible server (API process + engine process)")
+    add_engine_args(p)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--limit-mm-per-prompt", default=None, help='JSON, e.g. \'{"image": 4, "video": 1}\'')
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
+    p.add_argument("--max-waiting-requests", type=int, default=256)
+    p.add_argument("--max-request-body-mb", type=float, default=64)
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.set_defaults(func=_serve)
+
+    p = sub.add_parser("bench", help="performance, measured side by side")
+    bench = p.add_subparsers(dest="bench_command", required=True)
+    p = bench.add_parser("engine", help="in-process engine vs HF generate one request at a time")
+    p.add_argument("--model", required=True)
+    p.add_argument("--concurrency", default="1,4,16", help="comma-separated engine concurrencies")
+    p.add_argument("--num-requests", type=int, default=16, help="requests per engine run")
+    p.add_argument("--hf-requests", type=int, default=4, help="requests per hf baseline run")
+    p.add_argument("--output-tokens", type=int, default=32)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--image-size", default="224x224", help="WxH")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--kv-cache-mb", type=float, default=1024)
+    p.set_defaults(func=_bench_engine)
 
     p = sub.add_parser("demo", help="run the stack on the embedded tiny model")
     p.add_argument("--model-dir", default="models/tiny-qwen2-vl")

@@ -130,3 +130,22 @@ class EngineConfig:
             raise ValueError("kv_cache_mb must be > 0")
         if not 0 < self.kv_cache_memory_fraction <= 0.95:
             raise ValueError("kv_cache_memory_fraction must be in (0, 0.95]")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """API server settings; names mirror `mmserve serve` flags."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    served_model_name: str = ""
+    api_key: str | None = None
+    limit_mm_per_prompt: tuple[tuple[str, int], ...] = (("image", 8), ("video", 1), ("audio", 1))
+    max_waiting_requests: int = 256  # beyond running + this many queued, new requests get 503
+    max_request_body_bytes: int = 64 * 1024 * 1024
+    engine_start_timeout_s: float = 600.0
+    log_level: str = "info"
+
+    @property
+    def mm_limits(self) -> dict[str, int]:
+        return dict(self.limit_mm_per_prompt)

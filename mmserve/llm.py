@@ -29,6 +29,19 @@ class RequestOutput:
     finish_reason: str
     prompt_token_ids: list[int] = field(repr=False)  # expanded (item tokens are pad values)
     num_cached_tokens: int = 0
+    metrics: dict[str, float] = field(
+        default_factory=dict
+    )  # seconds: encode, queue, prefill (to 1st token), e2e
+
+
+def _metrics(req) -> dict[str, float]:
+    timings = req.encode_timings
+    encode = timings.fetch_s + timings.compute_s if timings is not None else 0.0
+    scheduled = req.first_scheduled_time or req.arrival_time
+    first = req.first_token_time or scheduled
+    end = req.finish_time or first
+    return {"encode_s": encode, "queue_s": scheduled - req.arrival_time, "prefill_s": first - scheduled,
+            "decode_s": end - first, "e2e_s": encode + end - req.arrival_time}  # fmt: skip
 
 
 def _media_ref(value: Any) -> MediaRef:
@@ -129,5 +142,5 @@ class LLM:
             if not det.stopped:
                 det.finish()
             results.append(RequestOutput(rid, det.text, list(req.output_ids), req.finish_reason or "abort",
-                                         req.prompt_ids, req.num_cached_tokens))  # fmt: skip
+                                         req.prompt_ids, req.num_cached_tokens, _metrics(req)))  # fmt: skip
         return results

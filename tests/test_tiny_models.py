@@ -72,6 +72,9 @@ def test_small_has_realistic_proportions(arch, vision_range):
     lm = sum(p.numel() for p in model.model.language_model.parameters()) + model.lm_head.weight.numel()
     vision = sum(p.numel() for p in model.model.visual.parameters())
     assert 0.3e9 <= lm <= 0.5e9
+    text = config.text_config
+    # M-RoPE sections must cover half the head dim or the first forward crashes.
+    assert sum(text.rope_parameters["mrope_section"]) * 2 == text.hidden_size // text.num_attention_heads
     assert vision_range[0] <= vision <= vision_range[1]
 
 

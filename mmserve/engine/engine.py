@@ -26,6 +26,7 @@ from mmserve.engine.scheduler import Scheduler, SchedulerConfig
 from mmserve.models.loader import load_model_config, load_processor, parse_dtype
 from mmserve.multimodal.cache import EmbeddingCache
 from mmserve.multimodal.embedding import PlacedEmbedding
+from mmserve.multimodal.errors import MediaError
 from mmserve.multimodal.items import Modality
 from mmserve.multimodal.media import MediaRef
 
@@ -37,6 +38,7 @@ class StepOutput:
     request_id: str
     token_id: int | None  # None when the request ended without a new token (abort)
     finish_reason: str | None  # "stop" / "length" / "abort" once finished
+    request: Request
 
 
 def available_memory_bytes(device: torch.device) -> int:
@@ -90,7 +92,15 @@ class Engine:
 
     # -- requests -------------------------------------------------------------------------------
     def encode(self, media: list[tuple[Modality, MediaRef]], timings: EncodeTimings) -> list[EncodedItem]:
-        return [self.encoder.encode(modality, ref, timings) for modality, ref in media]
+        """Raises MediaError naming the item ("image #2: ...") for bad media."""
+        out, seen = [], {}
+        for modality, ref in media:
+            seen[modality] = seen.get(modality, 0) + 1
+            try:
+                out.append(self.encoder.encode(modality, ref, timings))
+            except MediaError as e:
+                raise type(e)(str(e), item=f"{modality.value} #{seen[modality]}") from e
+        return out
 
     def add_request(
         self,
@@ -149,7 +159,7 @@ class Engine:
             if reason is not None:
                 self.scheduler.finish(req, reason)
                 self.requests.pop(req.request_id, None)
-            outputs.append(StepOutput(req.request_id, token, reason))
+            outputs.append(StepOutput(req.request_id, token, reason, req))
         return outputs
 
     def _finish_reason(self, req: Request, token: int) -> str | None:

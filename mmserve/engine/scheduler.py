@@ -61,6 +61,11 @@ class Scheduler:
             raise ValueError(
                 f"prompt has {prompt_len} tokens (images expanded), the model's context is {self.cfg.max_model_len}"
             )
+        if total > self.cfg.max_model_len:
+            raise ValueError(
+                f"prompt ({prompt_len} tokens, images expanded) + max_tokens ({max_tokens}) = {total} tokens exceeds "
+                f"the model's context length of {self.cfg.max_model_len}"
+            )
         if total > self.pool.num_slots:
             raise ValueError(
                 f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) = {total} tokens exceeds the KV cache "

@@ -112,6 +112,8 @@ def _wrap_errors(what: str) -> Iterator[None]:
         raise
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:  # warning: if made an error
         raise MediaTooLargeError(f"{what} is too large: {e}") from e
+    except Image.UnidentifiedImageError as e:  # its message is a repr of our BytesIO: useless to a client
+        raise MediaDecodeError(f"cannot decode {what}: not an image in a format we can read") from e
     except Exception as e:  # decoder libraries raise arbitrary types on corrupt input
         raise MediaDecodeError(f"cannot decode {what}: {e or type(e).__name__}") from e
 

@@ -104,7 +104,7 @@ def _text_and_vision_config(arch: str, size: str) -> tuple[dict, dict]:
         text = dict(
             hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
             num_key_value_heads=2, initializer_range=0.02, max_position_embeddings=32768,
-            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [16, 24, 24]},
+            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [8, 12, 12]},
         )  # fmt: skip
         vision = dict(depth=12, num_heads=12, initializer_range=0.02)
         width = 768

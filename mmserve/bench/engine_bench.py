@@ -1,0 +1,127 @@
+"""`mmserve bench engine`: the in-process engine vs plain HF `generate`, side by side in one run.
+
+Workload: requests of a text prompt plus one generated image (fresh pixels for every run, so nothing hits
+the encoder cache across runs), greedy, a fixed number of output tokens (EOS ignored). The `hf` baseline
+runs requests one at a time through `model.generate` (what a user without a serving engine does); the
+engine runs them concurrently, at most `concurrency` at once. Configurations alternate within each round;
+the report gives medians over rounds and ratios against `hf`.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+from PIL import Image
+
+from mmserve.engine.kv_pool import KVPool
+from mmserve.engine.sampling_params import SamplingParams
+from mmserve.models.loader import load_model, load_model_config, load_processor, load_tokenizer, parse_dtype
+from mmserve.multimodal.items import Modality
+from mmserve.testing.reference import hf_generate, prepare_prompt
+
+PROMPT = "Describe the image in detail, then list every object you can see."
+
+
+@dataclass
+class RunResult:
+    name: str
+    seconds: float
+    output_tokens: int
+    ttft_s: list[float] = field(default_factory=list)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.output_tokens / self.seconds
+
+
+def make_image(seed: int, size: tuple[int, int]) -> Image.Image:
+    rng = np.random.RandomState(seed)
+    return Image.fromarray((rng.rand(size[1], size[0], 3) * 255).astype("uint8"))
+
+
+def chat_messages(image: Image.Image) -> list[dict]:
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    uri = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    return [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": uri}},
+                                         {"type": "text", "text": PROMPT}]}]  # fmt: skip
+
+
+def run_hf(model, tok, proc, images: list[Image.Image], output_tokens: int) -> RunResult:
+    """One request at a time; TTFT is a separate 1-token generate per request (not counted in throughput)."""
+    template = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": PROMPT}]}]
+    result = RunResult("hf", 0.0, output_tokens * len(images))
+    for image in images:
+        t0 = time.perf_counter()
+        prompt, processed = prepare_prompt(tok, proc, template, [(Modality.IMAGE, image)])
+        hf_generate(model, prompt, processed, max_new_tokens=1)
+        t1 = time.perf_counter()
+        prompt, processed = prepare_prompt(tok, proc, template, [(Modality.IMAGE, image)])
+        hf_generate(model, prompt, processed, max_new_tokens=output_tokens)
+        result.ttft_s.append(t1 - t0)
+        result.seconds += time.perf_counter() - t1
+    return result
+
+
+def run_engine(llm, images: list[Image.Image], output_tokens: int, concurrency: int) -> RunResult:
+    params = SamplingParams(temperature=0, max_tokens=output_tokens, ignore_eos=True)
+    start = time.perf_counter()
+    outputs = llm.chat([chat_messages(im) for im in images], params)
+    result = RunResult(f"engine c={concurrency}", time.perf_counter() - start, output_tokens * len(images))
+    assert all(len(o.token_ids) == output_tokens for o in outputs)
+    if concurrency == 1:  # queue time is other requests' turn, not this one's latency
+        result.ttft_s = [o.metrics["encode_s"] + o.metrics["prefill_s"] for o in outputs]
+    return result
+
+
+def run(model_dir: str, concurrencies: list[int], num_requests: int, hf_requests: int, output_tokens: int,
+        rounds: int, image_size: tuple[int, int], dtype: str, kv_cache_mb: float) -> dict[str, list[RunResult]]:  # fmt: skip
+    from mmserve.llm import LLM
+
+    model, tok, proc = (
+        load_model(model_dir, dtype=dtype),
+        load_tokenizer(model_dir),
+        load_processor(model_dir),
+    )
+    engines = {c: LLM(model_dir, dtype=dtype, kv_cache_mb=kv_cache_mb, max_num_seqs=c) for c in concurrencies}
+    cfg = load_model_config(model_dir)
+    per_token = KVPool.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, parse_dtype(dtype))
+    print(f"model {model_dir}: {cfg.num_layers} layers, {cfg.num_kv_heads} KV heads x {cfg.head_dim} dims; "
+          f"KV cache {per_token} bytes/token in {dtype}")  # fmt: skip
+    results: dict[str, list[RunResult]] = {}
+    seed = 0
+    for r in range(rounds):
+        for name in ["hf"] + [f"engine c={c}" for c in concurrencies]:
+            count = hf_requests if name == "hf" else num_requests
+            images = [make_image(seed + i, image_size) for i in range(count)]
+            seed += count
+            if name == "hf":
+                res = run_hf(model, tok, proc, images, output_tokens)
+            else:
+                c = int(name.split("=")[1])
+                res = run_engine(engines[c], images, output_tokens, c)
+            results.setdefault(name, []).append(res)
+            print(
+                f"round {r + 1} {name:<12} {res.tokens_per_s:8.1f} output tok/s ({res.seconds:.1f}s)",
+                flush=True,
+            )
+    return results
+
+
+def report(results: dict[str, list[RunResult]]) -> str:
+    base = statistics.median(r.tokens_per_s for r in results["hf"])
+    base_ttft = statistics.median(t for r in results["hf"] for t in r.ttft_s)
+    lines = ["| configuration | output tok/s (median) | vs hf | TTFT, 1 at a time (median s) | vs hf |",
+             "|---|---|---|---|---|"]  # fmt: skip
+    for name, runs in results.items():
+        tps = statistics.median(r.tokens_per_s for r in runs)
+        ttfts = [t for r in runs for t in r.ttft_s]
+        ttft = statistics.median(ttfts) if ttfts else None
+        ttft_cells = f"{ttft:.3f} | {ttft / base_ttft:.2f}x" if ttft else " | "
+        lines.append(f"| {name} | {tps:.1f} | {tps / base:.2f}x | {ttft_cells} |")
+    return "\n".join(lines)

@@ -1,0 +1,261 @@
+"""The FastAPI app: OpenAI endpoints, health, metrics, errors, auth, body limits."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import itertools
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from mmserve.config import ServerConfig
+from mmserve.multimodal.errors import MediaError
+from mmserve.multimodal.messages import parse_messages
+from mmserve.server.engine_client import EngineClient
+from mmserve.server.metrics import ServerMetrics
+from mmserve.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, usage
+from mmserve.server.serving import Generation
+from mmserve.transport.messages import MediaItemMsg
+
+DISCONNECT_POLL_S = 0.5
+
+
+class BodyLimitMiddleware:
+    """413 for request bodies over the limit, by Content-Length and while streaming the body."""
+
+    def __init__(self, app, max_bytes: int) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_bytes:
+            return await _send_error(
+                send, APIError(413, f"request body is over {self.max_bytes} bytes", "body_too_large")
+            )
+        seen = 0
+
+        async def limited_receive():
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.max_bytes:
+                raise APIError(413, f"request body is over {self.max_bytes} bytes", "body_too_large")
+            return message
+
+        try:
+            await self.app(scope, limited_receive, send)
+        except APIError as e:
+            await _send_error(send, e)
+
+
+async def _send_error(send, err: APIError) -> None:
+    body = json.dumps(err.body()).encode()
+    await send({"type": "http.response.start", "status": err.status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})  # fmt: skip
+    await send({"type": "http.response.body", "body": body})
+
+
+def build_app(cfg: ServerConfig, client: EngineClient, tokenizer, metrics: ServerMetrics) -> FastAPI:
+    app = FastAPI(title="mmserve", version="0.1.0")
+    app.add_middleware(BodyLimitMiddleware, max_bytes=cfg.max_request_body_bytes)
+    ids = itertools.count()
+
+    def error_response(err: APIError) -> JSONResponse:
+        metrics.record_error(err.status)
+        return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, err: APIError):
+        return error_response(err)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_: Request, err: RequestValidationError):
+        problems = []
+        for e in err.errors():
+            loc = ".".join(str(x) for x in e.get("loc", ()) if x != "body")
+            problems.append(f"{loc or 'body'}: {e.get('msg')}")
+        return error_response(APIError(400, "; ".join(problems) or "invalid request", "invalid_request"))
+
+    @app.middleware("http")
+    async def _auth(request: Request, call_next):
+        if cfg.api_key and request.url.path.startswith("/v1"):
+            header = request.headers.get("authorization", "")
+            token = header[7:] if header.lower().startswith("bearer ") else ""
+            if not hmac.compare_digest(token.encode(), cfg.api_key.encode()):
+                return error_response(APIError(401, "missing or invalid API key", "invalid_api_key"))
+        return await call_next(request)
+
+    # -- helpers ----------------------------------------------------------------------------------
+    max_model_len = client.ready.max_model_len
+
+    def check_model(name: str | None) -> None:
+        if name is not None and name != cfg.served_model_name:
+            raise APIError(404, f"model {name!r} does not exist; this server serves {cfg.served_model_name!r}",
+                           "model_not_found")  # fmt: skip
+
+    def check_capacity() -> None:
+        if client.dead:
+            raise APIError(503, "the engine process is not running", "engine_unavailable")
+        # The API server's own in-flight count is exact and immediate (engine stats lag by a step).
+        if client.num_in_flight >= client.cfg.max_num_seqs + cfg.max_waiting_requests:
+            raise APIError(
+                503, "server is at capacity; retry later", "queue_full", headers={"Retry-After": "1"}
+            )
+
+    def max_tokens_of(body) -> int | None:
+        requested = body.requested_max_tokens
+        if requested is not None and requested >= max_model_len:
+            raise APIError(400, f"max_tokens={requested} is not below the model's context length ({max_model_len})",
+                           "invalid_parameter")  # fmt: skip
+        return requested
+
+    async def parse(request: Request, model_cls):
+        try:
+            raw = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise APIError(400, f"request body is not valid JSON: {e}", "invalid_json") from e
+        if not isinstance(raw, dict):
+            raise APIError(400, "request body must be a JSON object", "invalid_request")
+        try:
+            return model_cls.model_validate(raw)
+        except Exception as e:  # pydantic.ValidationError
+            raise RequestValidationError(e.errors()) from e
+
+    async def run_with_disconnect(request: Request, coro):
+        """Await `coro`, cancelling it (and so aborting the engine request) if the client goes away."""
+        task = asyncio.ensure_future(coro)
+        while not task.done():
+            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if not done and await request.is_disconnected():
+                task.cancel()
+                raise APIError(499, "client disconnected", "client_closed")
+        return task.result()
+
+    # -- OpenAI endpoints -------------------------------------------------------------------------
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": cfg.served_model_name, "object": "model", "created": int(time.time()),
+                                            "owned_by": "mmserve", "max_model_len": max_model_len}]}  # fmt: skip
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        body: ChatCompletionRequest = await parse(request, ChatCompletionRequest)
+        check_model(body.model)
+        try:
+            template, media = parse_messages(body.messages)
+        except (ValueError, MediaError) as e:
+            raise APIError(400, str(e), "invalid_messages") from e
+        limits = cfg.mm_limits
+        for modality in {mod for mod, _ in media}:
+            count = sum(1 for mod, _ in media if mod == modality)
+            if count > limits.get(modality.value, 0):
+                raise APIError(400, f"{count} {modality.value} item(s) in the prompt; at most "
+                                    f"{limits.get(modality.value, 0)} allowed (--limit-mm-per-prompt)", "too_many_items")  # fmt: skip
+        try:
+            text = tokenizer.apply_chat_template(template, add_generation_prompt=True, tokenize=False)
+        except Exception as e:  # a template that rejects the conversation (e.g. bad role order)
+            raise APIError(400, f"chat template failed: {e}", "invalid_messages") from e
+        prompt_ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        items = [MediaItemMsg(mod.value, url=ref.url, data=ref.data) for mod, ref in media]
+        return await generate(request, body, "chat", prompt_ids, items)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        body: CompletionRequest = await parse(request, CompletionRequest)
+        check_model(body.model)
+        if isinstance(body.prompt, str):
+            prompt_ids = tokenizer(body.prompt, add_special_tokens=False)["input_ids"]
+        elif all(isinstance(t, int) for t in body.prompt):
+            prompt_ids = list(body.prompt)
+            vocab = len(tokenizer)
+            if any(t < 0 or t >= vocab for t in prompt_ids):
+                raise APIError(400, f"prompt token ids must be in [0, {vocab})", "invalid_prompt")
+        else:
+            raise APIError(400, "prompt must be a string or a list of token ids (batches are not supported)",
+                           "invalid_prompt")  # fmt: skip
+        return await generate(request, body, "completion", prompt_ids, [])
+
+    async def generate(request: Request, body, kind: str, prompt_ids: list[int], items: list[MediaItemMsg]):
+        if len(prompt_ids) >= max_model_len:
+            raise APIError(400, f"prompt has {len(prompt_ids)} tokens; the model's context is {max_model_len}",
+                           "context_length_exceeded")  # fmt: skip
+        max_tokens = max_tokens_of(body)
+        params = body.sampling_params(max_tokens or 1, 1)
+        check_capacity()
+        gen = Generation(client, tokenizer, metrics, f"{kind}-{uuid.uuid4().hex[:12]}-{next(ids)}", prompt_ids,
+                         items, params, max_tokens)  # fmt: skip
+        await run_with_disconnect(request, gen.start())
+        created, model = int(time.time()), cfg.served_model_name
+        if body.stream:
+            return StreamingResponse(stream(gen, kind, created, model, body.include_usage),
+                                     media_type="text/event-stream")  # fmt: skip
+
+        async def collect() -> str:
+            return "".join([d async for d in gen.deltas()])
+
+        text = await run_with_disconnect(request, collect())
+        payload = {"id": gen.request_id, "object": "chat.completion" if kind == "chat" else "text_completion",
+                   "created": created, "model": model,
+                   "usage": usage(gen.prompt_tokens, gen.completion_tokens, gen.cached_tokens), "mmserve": gen.extra()}  # fmt: skip
+        if kind == "chat":
+            payload["choices"] = [{"index": 0, "message": {"role": "assistant", "content": text},
+                                   "finish_reason": gen.finish_reason, "logprobs": None}]  # fmt: skip
+        else:
+            payload["choices"] = [
+                {"index": 0, "text": text, "finish_reason": gen.finish_reason, "logprobs": None}
+            ]
+        return payload
+
+    async def stream(
+        gen: Generation, kind: str, created: int, model: str, include_usage: bool
+    ) -> AsyncIterator[str]:
+        obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
+
+        def chunk(choice: dict[str, Any] | None, **extra) -> str:
+            data = {"id": gen.request_id, "object": obj, "created": created, "model": model,
+                    "choices": [choice] if choice is not None else [], **extra}  # fmt: skip
+            return f"data: {json.dumps(data)}\n\n"
+
+        def choice(text: str, finish: str | None, first: bool = False) -> dict[str, Any]:
+            if kind == "chat":
+                delta = {"role": "assistant", "content": text} if first else {"content": text}
+                return {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+            return {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
+
+        try:
+            if kind == "chat":
+                yield chunk(choice("", None, first=True))
+            async for delta in gen.deltas():
+                yield chunk(choice(delta, None))
+            yield chunk(choice("", gen.finish_reason), mmserve=gen.extra())
+            if include_usage:
+                yield chunk(None, usage=usage(gen.prompt_tokens, gen.completion_tokens, gen.cached_tokens))
+        except APIError as e:  # the engine died mid-stream: tell the client in-band
+            metrics.record_error(e.status)
+            yield f"data: {json.dumps(e.body())}\n\n"
+        yield "data: [DONE]\n\n"
+
+    # -- operations -------------------------------------------------------------------------------
+    @app.get("/health")
+    async def health():
+        stats = await client.ping(timeout_s=2.0)
+        if stats is None:
+            return JSONResponse({"status": "unhealthy", "reason": "engine did not answer"}, status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def prometheus():
+        fresh = await client.ping(timeout_s=1.0)
+        metrics.update_engine(fresh or client.stats)
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4")
+
+    return app

@@ -1,0 +1,102 @@
+"""OpenAI request schemas (pydantic) and the errors the API answers with.
+
+Validation that pydantic can express lives in the models (types, ranges); everything else raises `APIError`
+with the HTTP status, OpenAI error type and a message naming the parameter.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from mmserve.engine.sampling_params import SamplingParams
+
+
+class APIError(Exception):
+    """An error the client gets as `{"error": {"message", "type", "code"}}` with `status`."""
+
+    def __init__(self, status: int, message: str, code: str | None = None, err_type: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:  # fmt: skip
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.code = code
+        self.type = err_type or _default_type(status)
+        self.headers = headers
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "code": self.code, "param": None}}
+
+
+def _default_type(status: int) -> str:
+    return {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+            413: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable"}.get(
+        status, "server_error" if status >= 500 else "invalid_request_error")  # fmt: skip
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _SamplingFields(BaseModel):
+    model_config = ConfigDict(extra="allow")  # unknown OpenAI fields are accepted and ignored, like vLLM
+
+    model: str | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=-1)
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    n: int = Field(default=1, ge=1, le=1)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+
+    def sampling_params(self, max_tokens: int | None, default_max_tokens: int) -> SamplingParams:
+        stop = [self.stop] if isinstance(self.stop, str) else self.stop
+        try:
+            return SamplingParams(
+                max_tokens=max_tokens if max_tokens is not None else default_max_tokens,
+                temperature=1.0 if self.temperature is None else self.temperature,
+                top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k or 0,
+                min_p=self.min_p or 0.0, seed=self.seed, stop=stop or None, stop_token_ids=self.stop_token_ids,
+                ignore_eos=self.ignore_eos, skip_special_tokens=self.skip_special_tokens,
+            )  # fmt: skip
+        except ValueError as e:
+            raise APIError(400, str(e), "invalid_parameter") from e
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[int] | list[str] = Field(min_length=1)
+    echo: Literal[False] = False
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }

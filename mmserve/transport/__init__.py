@@ -1,0 +1,1 @@
+"""Typed messages and channels between processes; msgpack / raw bytes only, never pickle."""

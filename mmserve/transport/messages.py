@@ -1,0 +1,105 @@
+"""API server <-> engine process messages: msgspec Structs encoded as msgpack (tagged unions).
+
+One family per direction. Every message is a tagged Struct so a decoder rejects anything unknown instead of
+guessing; nothing here can carry code (no pickle).
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+SCHEMA_VERSION = 1
+
+
+class MediaItemMsg(msgspec.Struct, frozen=True):
+    modality: str  # "image" | "video" | "audio"
+    url: str | None = None  # http(s) / data: / file://
+    data: bytes | None = None  # raw bytes given in-process
+
+
+class SamplingMsg(msgspec.Struct, frozen=True):
+    max_tokens: int | None  # None: up to the context length (and the KV capacity)
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+
+
+# -- API server -> engine ------------------------------------------------------------------------
+class GenerateReq(msgspec.Struct, tag="generate"):
+    request_id: str
+    prompt_token_ids: list[int]  # one placeholder token per media item
+    media: list[MediaItemMsg]
+    sampling: SamplingMsg
+
+
+class AbortReq(msgspec.Struct, tag="abort"):
+    request_id: str
+
+
+class PingReq(msgspec.Struct, tag="ping"):
+    nonce: int
+
+
+class ShutdownReq(msgspec.Struct, tag="shutdown"):
+    pass
+
+
+ToEngine = GenerateReq | AbortReq | PingReq | ShutdownReq
+
+
+# -- engine -> API server ------------------------------------------------------------------------
+class ReadyMsg(msgspec.Struct, tag="ready"):
+    schema_version: int
+    max_model_len: int
+    kv_cache_tokens: int
+    kv_cache_bytes: int
+    kv_bytes_per_token: int
+
+
+class AcceptedMsg(msgspec.Struct, tag="accepted"):
+    """The request's media is encoded and it is queued: errors after this are engine errors."""
+
+    request_id: str
+    prompt_tokens: int  # expanded: image tokens counted
+    encode_s: float
+    mm_items: int
+    mm_cache_hits: int
+
+
+class TokensMsg(msgspec.Struct, tag="tokens"):
+    request_id: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    num_cached_tokens: int = 0
+    queue_s: float = 0.0  # set on the first message of a request
+    prefill_s: float = 0.0
+
+
+class ErrorMsg(msgspec.Struct, tag="error"):
+    request_id: str
+    status: int  # HTTP status the client gets
+    code: str
+    message: str
+
+
+class StatsMsg(msgspec.Struct, tag="stats"):
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    prefix_cache_queries: int  # tokens
+    prefix_cache_hits: int
+    mm_cache_queries: int
+    mm_cache_hits: int
+    encode_seconds_total: float
+    nonce: int = 0  # echo of a PingReq, 0 for periodic stats
+
+
+FromEngine = ReadyMsg | AcceptedMsg | TokensMsg | ErrorMsg | StatsMsg
+
+
+def make_codecs(kind) -> tuple[msgspec.msgpack.Encoder, msgspec.msgpack.Decoder]:
+    return msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(kind)

@@ -1,0 +1,83 @@
+"""Start `mmserve serve` as a real subprocess on a free loopback port, and stop it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class ServerHandle:
+    url: str
+    proc: subprocess.Popen
+    log_path: str
+
+    def log(self) -> str:
+        with open(self.log_path) as f:
+            return f.read()
+
+    def child_pids(self) -> list[int]:
+        out = subprocess.run(["pgrep", "-P", str(self.proc.pid)], capture_output=True, text=True)
+        return [int(p) for p in out.stdout.split()]
+
+    def stop(self, timeout_s: float = 30.0) -> int:
+        children = self.child_pids()
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            code = self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            raise AssertionError("server did not stop within the timeout after SIGTERM") from None
+        for pid in children:  # no orphans: the engine process is gone too
+            for _ in range(50):
+                if not os.path.exists(f"/proc/{pid}") or _is_zombie(pid):
+                    break
+                time.sleep(0.1)
+            else:
+                os.kill(pid, signal.SIGKILL)
+                raise AssertionError(f"child process {pid} outlived the server")
+        return code
+
+
+def _is_zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def start_server(model_dir: str, *args: str, log_dir: str, timeout_s: float = 180.0) -> ServerHandle:
+    port = free_port()
+    log_path = os.path.join(log_dir, f"server-{port}.log")
+    cmd = [sys.executable, "-m", "mmserve.cli", "serve", "--model", model_dir, "--port", str(port),
+           "--served-model-name", "tiny", "--log-level", "warning", *args]  # fmt: skip
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    handle = ServerHandle(f"http://127.0.0.1:{port}", proc, log_path)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"server exited during start-up:\n{handle.log()}")
+        try:
+            if httpx.get(handle.url + "/health", timeout=2).status_code == 200:
+                return handle
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    handle.stop()
+    raise AssertionError(f"server not healthy after {timeout_s}s:\n{handle.log()}")
