@@ -1,9 +1,8 @@
-"""`mmserve demo`: the whole multimodal core on the embedded tiny model, checked against HF `generate`.
+"""`mmserve demo` (`make demo`): the whole stack on the embedded tiny model, through the official client.
 
-Builds the tiny checkpoint if needed, sends one generated image through media loading (data URI), content
-hashing, preprocessing, the vision tower, the embedding cache, placeholder expansion, M-RoPE positions
-and chunked embedding splice, then decodes greedily from the spliced embeddings and compares the tokens
-with HF `generate` on the raw inputs.
+Builds the tiny checkpoint if it is missing, starts `mmserve serve` on a free loopback port, sends chat
+requests with generated images through the `openai` client (one of them streamed, one repeating an image so
+the caches show), prints each answer with where its time went, and shuts the server down.
 """
 
 from __future__ import annotations
@@ -11,100 +10,85 @@ from __future__ import annotations
 import base64
 import io
 import os
+import tempfile
 import time
 
-import torch
 from PIL import Image, ImageDraw
 
-from mmserve.config import MediaConfig
-from mmserve.models.loader import load_model, load_processor, load_tokenizer
-from mmserve.multimodal.cache import EmbeddingCache
-from mmserve.multimodal.embedding import PlacedEmbedding, splice_chunk
-from mmserve.multimodal.items import Modality, MultimodalItem, content_hash
-from mmserve.multimodal.media import MediaRef, decode_image
-from mmserve.multimodal.media_fetch import load_bytes
-from mmserve.testing.reference import hf_generate
+from mmserve.testing.server_process import start_server
 from mmserve.testing.tiny_models import ensure_tiny_model
 
 DEFAULT_MODEL_DIR = os.path.join("models", "tiny-qwen2-vl")
 
 
-def demo_image() -> bytes:
-    img = Image.new("RGB", (96, 64), (30, 60, 200))
-    ImageDraw.Draw(img).rectangle((20, 12, 60, 50), fill=(220, 40, 40))
+def shape_image(color: tuple[int, int, int], box: tuple[int, int, int, int], size=(96, 64)) -> str:
+    """A generated picture (a coloured box on blue) as a PNG data URI."""
+    img = Image.new("RGB", size, (30, 60, 200))
+    ImageDraw.Draw(img).rectangle(box, fill=color)
     buf = io.BytesIO()
     img.save(buf, format="PNG")
-    return buf.getvalue()
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
 
 
-def greedy_decode(
-    model, inputs_embeds: torch.Tensor, positions: torch.Tensor, rope_delta: int, steps: int
-) -> list[int]:
-    """Prefill `inputs_embeds` (L, hidden) at M-RoPE `positions` (3, L), then decode greedily.
-
-    Decode position of sequence index i >= L is i + rope_delta on all three axes.
-    """
-    from transformers import DynamicCache
-
-    lm, cache, tokens = model.model.language_model, DynamicCache(config=model.config), []
-    embeds, pos = inputs_embeds.unsqueeze(0), positions.unsqueeze(1)  # (1, L, hidden), (3, 1, L)
-    for _ in range(steps):
-        hidden = lm(inputs_embeds=embeds, position_ids=pos, cache=cache, use_cache=True).last_hidden_state
-        token = int(model.lm_head(hidden[:, -1]).argmax(-1))
-        tokens.append(token)
-        index = cache.get_seq_length()
-        embeds = lm.get_input_embeddings()(torch.tensor([[token]]))
-        pos = torch.full((3, 1, 1), index + rope_delta)
-    return tokens
+def _message(text: str, *images: str) -> list[dict]:
+    parts = [{"type": "image_url", "image_url": {"url": uri}} for uri in images]
+    return [{"role": "user", "content": [*parts, {"type": "text", "text": text}]}]
 
 
-def run_demo(model_dir: str = DEFAULT_MODEL_DIR, max_new_tokens: int = 12, chunk_tokens: int = 16) -> bool:
-    t0 = time.perf_counter()
+def _timings_line(extra: dict, usage) -> str:
+    t = extra["timings"]
+    return (f"queue {1000 * t['queue_s']:.1f} ms | encode {1000 * t['encode_s']:.1f} ms | prefill "
+            f"{1000 * t['prefill_s']:.1f} ms | decode {1000 * t['decode_s']:.1f} ms | prompt {usage.prompt_tokens} "
+            f"tokens ({usage.prompt_tokens_details.cached_tokens} cached), {extra['mm_items']} item(s) encoded by "
+            f"{extra['encoded_by']}, {extra['mm_cache_hits']} embedding-cache hit(s)")  # fmt: skip
+
+
+def run_demo(model_dir: str = DEFAULT_MODEL_DIR, max_tokens: int = 16) -> bool:
+    import openai
+
+    start = time.perf_counter()
     ensure_tiny_model(model_dir)
-    model, tok, proc = load_model(model_dir), load_tokenizer(model_dir), load_processor(model_dir)
-    print(f"model  {model_dir} ({model.config.model_type}) ready in {time.perf_counter() - t0:.2f}s")
-
-    uri = "data:image/png;base64," + base64.b64encode(demo_image()).decode()
-    messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": uri}},
-                                             {"type": "text", "text": "Describe the image."}]}]  # fmt: skip
-    t1 = time.perf_counter()
-    data = load_bytes(MediaRef.parse(uri), MediaConfig())
-    digest = content_hash(Modality.IMAGE, data, proc.hash_settings(Modality.IMAGE))
-    processed = proc.process(Modality.IMAGE, decode_image(data, MediaConfig()))
-    cache = EmbeddingCache(capacity_mb=64)
-
-    def encode() -> torch.Tensor:
-        with torch.no_grad():
-            grid = torch.tensor([processed.grid_thw])
-            return model.model.get_image_features(processed.pixel_values, grid).pooler_output[0]
-
-    embedding = cache.get_or_compute(digest, encode)
-    t2 = time.perf_counter()
-
-    text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    item = MultimodalItem(Modality.IMAGE, digest, processed.num_tokens, processed.grid_thw)
-    prompt = proc.expand(tok(text, add_special_tokens=False)["input_ids"], [item])
-    positions, rope_delta = proc.positions(prompt)
-    ids = torch.tensor(prompt.token_ids)
-    embed = model.model.language_model.get_input_embeddings()
-    placed = [PlacedEmbedding(item.offset, embedding)]
-    with torch.no_grad():
-        chunks = [
-            splice_chunk(ids[s : s + chunk_tokens], s, embed, placed)
-            for s in range(0, len(ids), chunk_tokens)
-        ]
-        tokens = greedy_decode(model, torch.cat(chunks), positions, rope_delta, max_new_tokens)
-    t3 = time.perf_counter()
-    reference = hf_generate(model, prompt, [processed], max_new_tokens=max_new_tokens).token_ids
-
-    print(f"image  {item.hash_hex[:16]}… grid {processed.grid_thw} -> {item.num_tokens} tokens at "
-          f"[{item.offset}, {item.end}), pad value {item.pad_value}")  # fmt: skip
-    print(
-        f"prompt {len(prompt.token_ids)} tokens, rope delta {rope_delta}, spliced in chunks of {chunk_tokens}"
-    )
-    print(f"answer {tok.decode(tokens)!r}")
-    print(f"tokens {tokens}")
-    print(f"timing encode {1000 * (t2 - t1):.1f} ms, generate {1000 * (t3 - t2):.1f} ms")
-    same = tokens == reference
-    print(f"parity with HF generate: {'identical' if same else 'DIFFERENT: ' + str(reference)}")
-    return same
+    red = shape_image((220, 40, 40), (20, 12, 60, 50))
+    green = shape_image((40, 200, 60), (50, 8, 90, 40))
+    with tempfile.TemporaryDirectory() as logs:
+        server = start_server(
+            model_dir, "--kv-cache-mb", "64", log_dir=logs, served_model_name="tiny-qwen2-vl"
+        )
+        print(f"server up at {server.url} in {time.perf_counter() - start:.1f}s (model {model_dir})")
+        print(
+            "(the tiny model has random weights: its text is noise; the demo shows the path and the timings)"
+        )
+        ok = True
+        try:
+            client = openai.OpenAI(base_url=server.url + "/v1", api_key="demo", max_retries=0, timeout=60)
+            requests = [
+                ("one image", _message("What shape is in the picture?", red)),
+                ("two images", _message("What changed between these two pictures?", red, green)),
+                ("same image again", _message("What colour is the shape?", red)),
+            ]
+            for name, messages in requests:
+                out = client.chat.completions.create(model="tiny-qwen2-vl", messages=messages, max_tokens=max_tokens,
+                                                     temperature=0)  # fmt: skip
+                print(
+                    f"\n[{name}] {out.choices[0].message.content!r} (finish: {out.choices[0].finish_reason})"
+                )
+                print("  " + _timings_line(out.model_extra["mmserve"], out.usage))
+            print("\n[streamed] ", end="", flush=True)
+            stream = client.chat.completions.create(
+                model="tiny-qwen2-vl", messages=_message("Describe the picture.", green), max_tokens=max_tokens,
+                temperature=0, stream=True, stream_options={"include_usage": True},
+            )  # fmt: skip
+            extra, usage = None, None
+            for chunk in stream:
+                if chunk.choices:
+                    print(chunk.choices[0].delta.content or "", end="", flush=True)
+                    extra = (chunk.model_extra or {}).get("mmserve", extra)
+                usage = chunk.usage or usage
+            print("\n  " + _timings_line(extra, usage))
+        except Exception as e:  # print the server's side too, then fail
+            ok = False
+            print(f"demo request failed: {e}\n--- server log ---\n{server.log()}")
+        finally:
+            code = server.stop()
+        print(f"\nserver stopped cleanly (exit {code}); demo took {time.perf_counter() - start:.1f}s")
+        return ok and code == 0

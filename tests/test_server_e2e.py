@@ -11,8 +11,8 @@ import openai
 import pytest
 
 from mmserve.models.loader import load_model, load_processor, load_tokenizer
+from mmserve.testing.server_process import start_server
 from tests.engine_helpers import image_case, reference
-from tests.server_helpers import start_server
 
 MAX_NEW = 10
 

@@ -1,4 +1,8 @@
-"""Start `mmserve serve` as a real subprocess on a free loopback port, and stop it."""
+"""Start `mmserve serve` as a real subprocess on a free loopback port, wait until healthy, and stop it.
+
+Used by the end-to-end tests and by `mmserve demo`. Stopping checks that no child process (the engine)
+outlives the server.
+"""
 
 from __future__ import annotations
 
@@ -61,11 +65,12 @@ def _is_zombie(pid: int) -> bool:
         return True
 
 
-def start_server(model_dir: str, *args: str, log_dir: str, timeout_s: float = 180.0) -> ServerHandle:
+def start_server(model_dir: str, *args: str, log_dir: str, timeout_s: float = 180.0,
+                 served_model_name: str = "tiny") -> ServerHandle:  # fmt: skip
     port = free_port()
     log_path = os.path.join(log_dir, f"server-{port}.log")
     cmd = [sys.executable, "-m", "mmserve.cli", "serve", "--model", model_dir, "--port", str(port),
-           "--served-model-name", "tiny", "--log-level", "warning", *args]  # fmt: skip
+           "--served-model-name", served_model_name, "--log-level", "warning", *args]  # fmt: skip
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     handle = ServerHandle(f"http://127.0.0.1:{port}", proc, log_path)
