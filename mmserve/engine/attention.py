@@ -40,6 +40,13 @@ class AttentionMetadata:
     new_slots: torch.Tensor  # int64 (total_tokens,): slot of every packed token
     seqs: list[SeqAttention]
 
+    def __post_init__(self) -> None:
+        # One gather per layer for the whole batch is much cheaper than one per request; each request then
+        # reads its rows of the gathered block as a view. Offsets into that block:
+        self.kv_slots = torch.cat([s.kv_slots for s in self.seqs])
+        lengths = [s.kv_slots.shape[0] for s in self.seqs]
+        self.kv_offsets = [sum(lengths[:i]) for i in range(len(lengths))]
+
 
 def pool_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     meta: AttentionMetadata | None = kwargs.get("mm_attn")
@@ -53,11 +60,14 @@ def pool_attention(module, query, key, value, attention_mask, scaling=None, drop
     # query (1, H, T, D); key/value (1, Hkv, T, D) with RoPE applied -> pool rows (T, Hkv, D)
     k_cache.index_copy_(0, meta.new_slots, key[0].transpose(0, 1).to(k_cache.dtype))
     v_cache.index_copy_(0, meta.new_slots, value[0].transpose(0, 1).to(v_cache.dtype))
+    k_all = k_cache.index_select(0, meta.kv_slots).transpose(0, 1)  # (Hkv, sum kv, D)
+    v_all = v_cache.index_select(0, meta.kv_slots).transpose(0, 1)
     outputs = []
-    for seq in meta.seqs:
+    for seq, offset in zip(meta.seqs, meta.kv_offsets, strict=True):
         q = query[:, :, seq.q_start : seq.q_start + seq.q_len]
-        k = k_cache.index_select(0, seq.kv_slots).transpose(0, 1).unsqueeze(0)  # (1, Hkv, kv, D)
-        v = v_cache.index_select(0, seq.kv_slots).transpose(0, 1).unsqueeze(0)
+        kv_len = seq.kv_slots.shape[0]
+        k = k_all[:, offset : offset + kv_len].unsqueeze(0)  # (1, Hkv, kv, D)
+        v = v_all[:, offset : offset + kv_len].unsqueeze(0)
         causal = seq.mask is None and seq.q_len > 1  # fresh prefill: q == kv, top-left == bottom-right
         out = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=seq.mask,
                                              is_causal=causal, scale=scaling, enable_gqa=True)  # fmt: skip
