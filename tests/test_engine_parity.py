@@ -58,7 +58,9 @@ def run_and_compare(llm: LLM, oracle, cases, check_logits: bool = True):
         assert out.token_ids == ref.token_ids
         assert out.finish_reason == "length"
         if check_logits:
-            torch.testing.assert_close(recorder.logits_for(p), ref.logits, atol=1e-4, rtol=0)
+            # fp32 GEMM rounding depends on the batch shape (notes/engine-on-hf-modules.md); the tiny model's
+            # logits are large (init range 0.5), so allow 1e-5 relative on top of 1e-4 absolute.
+            torch.testing.assert_close(recorder.logits_for(p), ref.logits, atol=1e-4, rtol=1e-5)
     return outputs
 
 

@@ -33,6 +33,7 @@ class RunResult:
     seconds: float
     output_tokens: int
     ttft_s: list[float] = field(default_factory=list)
+    decode_tokens_per_s: float = 0.0  # steady-state decode only (prefill and encode excluded)
 
     @property
     def tokens_per_s(self) -> float:
@@ -56,15 +57,22 @@ def run_hf(model, tok, proc, images: list[Image.Image], output_tokens: int) -> R
     """One request at a time; TTFT is a separate 1-token generate per request (not counted in throughput)."""
     template = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": PROMPT}]}]
     result = RunResult("hf", 0.0, output_tokens * len(images))
+    decode_s: list[float] = []
     for image in images:
         t0 = time.perf_counter()
         prompt, processed = prepare_prompt(tok, proc, template, [(Modality.IMAGE, image)])
+        t_prep = time.perf_counter()
         hf_generate(model, prompt, processed, max_new_tokens=1)
         t1 = time.perf_counter()
         prompt, processed = prepare_prompt(tok, proc, template, [(Modality.IMAGE, image)])
+        t_prep2 = time.perf_counter()
         hf_generate(model, prompt, processed, max_new_tokens=output_tokens)
+        t2 = time.perf_counter()
         result.ttft_s.append(t1 - t0)
-        result.seconds += time.perf_counter() - t1
+        result.seconds += t2 - t1
+        # decode-only time per token: the full generation minus the 1-token one, preprocessing excluded
+        decode_s.append(max(1e-9, (t2 - t_prep2) - (t1 - t_prep)) / (output_tokens - 1))
+    result.decode_tokens_per_s = 1.0 / statistics.median(decode_s)
     return result
 
 
@@ -74,9 +82,29 @@ def run_engine(llm, images: list[Image.Image], output_tokens: int, concurrency: 
     outputs = llm.chat([chat_messages(im) for im in images], params)
     result = RunResult(f"engine c={concurrency}", time.perf_counter() - start, output_tokens * len(images))
     assert all(len(o.token_ids) == output_tokens for o in outputs)
+    result.decode_tokens_per_s = decode_rate(llm, images[:concurrency], output_tokens)
     if concurrency == 1:  # queue time is other requests' turn, not this one's latency
         result.ttft_s = [o.metrics["encode_s"] + o.metrics["prefill_s"] for o in outputs]
     return result
+
+
+def decode_rate(llm, images: list[Image.Image], output_tokens: int) -> float:
+    """Steady-state decode tokens/s with len(images) requests running: all prefilled, then timed steps."""
+    from mmserve.multimodal.messages import parse_messages
+
+    engine = llm.engine
+    for i, image in enumerate(images):
+        template, media = parse_messages(chat_messages(image))
+        text = llm.tokenizer.apply_chat_template(template, add_generation_prompt=True, tokenize=False)
+        ids = llm.tokenizer(text, add_special_tokens=False)["input_ids"]
+        engine.add_request(f"decode-rate-{time.monotonic_ns()}-{i}", ids,
+                           SamplingParams(temperature=0, max_tokens=output_tokens, ignore_eos=True), media)  # fmt: skip
+    while any(r.is_prefill for r in engine.scheduler.running) or engine.scheduler.waiting:
+        engine.step()
+    start, tokens = time.perf_counter(), 0
+    while engine.has_work:
+        tokens += len(engine.step())
+    return tokens / (time.perf_counter() - start)
 
 
 def run(model_dir: str, concurrencies: list[int], num_requests: int, hf_requests: int, output_tokens: int,
@@ -116,12 +144,16 @@ def run(model_dir: str, concurrencies: list[int], num_requests: int, hf_requests
 def report(results: dict[str, list[RunResult]]) -> str:
     base = statistics.median(r.tokens_per_s for r in results["hf"])
     base_ttft = statistics.median(t for r in results["hf"] for t in r.ttft_s)
-    lines = ["| configuration | output tok/s (median) | vs hf | TTFT, 1 at a time (median s) | vs hf |",
-             "|---|---|---|---|---|"]  # fmt: skip
+    base_decode = statistics.median(r.decode_tokens_per_s for r in results["hf"])
+    lines = ["| configuration | output tok/s, end to end | vs hf | decode tok/s | vs hf | TTFT, 1 at a time (s) | vs hf |",
+             "|---|---|---|---|---|---|---|"]  # fmt: skip
     for name, runs in results.items():
         tps = statistics.median(r.tokens_per_s for r in runs)
         ttfts = [t for r in runs for t in r.ttft_s]
         ttft = statistics.median(ttfts) if ttfts else None
         ttft_cells = f"{ttft:.3f} | {ttft / base_ttft:.2f}x" if ttft else " | "
-        lines.append(f"| {name} | {tps:.1f} | {tps / base:.2f}x | {ttft_cells} |")
+        decode = statistics.median(r.decode_tokens_per_s for r in runs)
+        lines.append(
+            f"| {name} | {tps:.1f} | {tps / base:.2f}x | {decode:.1f} | {decode / base_decode:.2f}x | {ttft_cells} |"
+        )
     return "\n".join(lines)

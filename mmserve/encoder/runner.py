@@ -45,23 +45,24 @@ class EncodedItem:
 
 
 class VisionTower:
-    """Runs the HF vision tower of an image-text-to-text model (`model.model`) on one processed item."""
+    """Runs an HF vision tower (the `visual` module, loaded on its own) on one processed item.
 
-    def __init__(self, vlm_model: torch.nn.Module) -> None:
-        self.model = vlm_model  # exposes get_image_features / get_video_features
-        self.dtype = vlm_model.visual.dtype
+    Same computation as HF's `get_image_features` / `get_video_features` for a single item: the tower's
+    merged output (`pooler_output`), `(num_tokens, hidden)`.
+    """
+
+    def __init__(self, visual: torch.nn.Module) -> None:
+        self.visual = visual
+        self.dtype = visual.dtype
+        self.device = next(visual.parameters()).device
 
     @torch.no_grad()
     def __call__(self, item: ProcessedItem) -> torch.Tensor:
-        grid = torch.tensor([item.grid_thw])
-        pixels = item.pixel_values.to(self.dtype)
-        if item.modality == Modality.IMAGE:
-            out = self.model.get_image_features(pixel_values=pixels, image_grid_thw=grid)
-        elif item.modality == Modality.VIDEO:
-            out = self.model.get_video_features(pixel_values_videos=pixels, video_grid_thw=grid)
-        else:
+        if item.modality not in (Modality.IMAGE, Modality.VIDEO):
             raise UnsupportedMediaError(f"{item.modality.value} input is not supported by this model")
-        return out.pooler_output[0]
+        grid = torch.tensor([item.grid_thw], device=self.device)
+        pixels = item.pixel_values.to(self.device, self.dtype)
+        return self.visual(pixels, grid_thw=grid).pooler_output
 
 
 @dataclass

@@ -23,7 +23,7 @@ from mmserve.engine.request import Request
 from mmserve.engine.sampler import Sampler, make_generator
 from mmserve.engine.sampling_params import SamplingParams
 from mmserve.engine.scheduler import Scheduler, SchedulerConfig
-from mmserve.models.loader import load_model_config, load_processor, parse_dtype
+from mmserve.models.loader import load_hf_config, load_processor, load_vision_tower, parse_dtype
 from mmserve.multimodal.cache import EmbeddingCache
 from mmserve.multimodal.embedding import PlacedEmbedding
 from mmserve.multimodal.errors import MediaError
@@ -66,8 +66,9 @@ def build_kv_pool(cfg: EngineConfig, model: ModelConfig) -> KVPool:
 class Engine:
     def __init__(self, cfg: EngineConfig) -> None:
         self.cfg = cfg
-        self.model_config = load_model_config(cfg.model, cfg.max_model_len)
-        self.runner = ModelRunner(cfg.model, self.model_config, cfg.dtype, cfg.device)
+        hf_config = load_hf_config(cfg.model)
+        self.model_config = ModelConfig.from_hf(cfg.model, hf_config, cfg.max_model_len)
+        self.runner = ModelRunner(cfg.model, hf_config, self.model_config, cfg.dtype, cfg.device)
         self.pool = build_kv_pool(cfg, self.model_config)
         prefix_cache = NoPrefixCache() if cfg.disable_prefix_cache else RadixCache(self.pool)
         sched_cfg = SchedulerConfig(
@@ -75,12 +76,10 @@ class Engine:
         )
         self.scheduler = Scheduler(sched_cfg, self.pool, prefix_cache)
         self.sampler = Sampler()
-        self.processor = load_processor(cfg.model, self.runner.model.config, dict(cfg.mm_processor_kwargs))
+        self.processor = load_processor(cfg.model, hf_config, dict(cfg.mm_processor_kwargs))
+        tower = VisionTower(load_vision_tower(cfg.model, hf_config, cfg.dtype, cfg.device))
         self.encoder = MultimodalEncoder(
-            VisionTower(self.runner.model.model),
-            self.processor,
-            EmbeddingCache(cfg.embedding_cache_mb),
-            cfg.media,
+            tower, self.processor, EmbeddingCache(cfg.embedding_cache_mb), cfg.media
         )
         self.requests: dict[str, Request] = {}
         per_token = KVPool.bytes_per_token(self.model_config.num_layers, self.model_config.num_kv_heads,

@@ -17,7 +17,7 @@ from mmserve.config import ModelConfig
 from mmserve.engine.attention import AttentionMetadata, SeqAttention, register_attention
 from mmserve.engine.kv_pool import KVPool
 from mmserve.engine.request import Request
-from mmserve.models.loader import load_model, parse_dtype
+from mmserve.models.loader import load_language_model, parse_dtype
 from mmserve.multimodal.embedding import splice_chunk
 
 
@@ -37,20 +37,17 @@ class ScheduledChunk:
 
 
 class ModelRunner:
-    """Owns the model (vision tower kept for the in-process encoder) and runs packed LM forwards."""
+    """Owns the language model (never the vision tower) and runs packed forwards over the KV pool."""
 
-    def __init__(
-        self, model_path: str, model_config: ModelConfig, dtype: str = "float32", device: str = "cpu"
-    ):
-        name = register_attention()
-        self.model = load_model(model_path, dtype=dtype, device=device,
-                                attn_implementation={"": "sdpa", "text_config": name, "vision_config": "sdpa"})  # fmt: skip
+    def __init__(self, model_path: str, hf_config, model_config: ModelConfig, dtype: str = "float32",
+                 device: str = "cpu") -> None:  # fmt: skip
+        lm = load_language_model(model_path, hf_config, dtype, register_attention(), device)
         self.config = model_config
         self.dtype = parse_dtype(dtype)
         self.device = torch.device(device)
-        self.language_model = self.model.model.language_model
+        self.language_model = lm.model
         self.embed_tokens = self.language_model.get_input_embeddings()
-        self.lm_head = self.model.lm_head
+        self.lm_head = lm.lm_head
 
     def positions(self, request: Request, start: int, end: int) -> torch.Tensor:
         """Position ids (3, n) of tokens [start, end)."""

@@ -77,3 +77,29 @@ def load_model(path: str, dtype: str | torch.dtype = "float32", device: str = "c
         kwargs["attn_implementation"] = attn_implementation
     model = AutoModelForImageTextToText.from_pretrained(path, **kwargs)
     return model.to(device).eval()
+
+
+def _family(model_type: str):
+    # Model-specific loading lives in the family's module; this table picks it.
+    from mmserve.models import qwen2_vl
+
+    families = {"qwen2_vl": qwen2_vl, "qwen2_5_vl": qwen2_vl}
+    if model_type not in families:
+        raise ValueError(f"unsupported model_type {model_type!r}; supported: {sorted(families)}")
+    return families[model_type]
+
+
+def load_language_model(path: str, hf_config, dtype: str | torch.dtype, attn_implementation: str,
+                        device: str = "cpu"):  # fmt: skip
+    """Only the language model and its head (no vision weights are read)."""
+    lm = _family(hf_config.model_type).load_language_model(
+        path, hf_config, parse_dtype(dtype), attn_implementation
+    )
+    lm.model.to(device)
+    lm.lm_head.to(device)
+    return lm
+
+
+def load_vision_tower(path: str, hf_config, dtype: str | torch.dtype, device: str = "cpu") -> torch.nn.Module:
+    """Only the vision tower (no language-model weights are read)."""
+    return _family(hf_config.model_type).load_vision_tower(path, hf_config, parse_dtype(dtype)).to(device)

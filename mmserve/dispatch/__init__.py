@@ -1,0 +1,1 @@
+"""Dispatch of multimodal items to encoder services: encoder registry and routing policies."""

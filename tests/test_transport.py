@@ -1,0 +1,209 @@
+"""Embedding wire format and ZMQ channel: bit-exact round trips, validation, loopback delivery."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import msgspec
+import pytest
+import torch
+
+from mmserve.transport.embedding_wire import (
+    WIRE_VERSION,
+    EmbeddingItem,
+    PartError,
+    WireError,
+    decode_part,
+    encode_error,
+    encode_part,
+)
+from mmserve.transport.zmq_channel import EmbeddingReceiver, EmbeddingSender, SendTimeout
+
+_INT_VIEW = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
+RECV_TIMEOUT_S = 2.0
+
+
+def _special_values(dtype: torch.dtype) -> torch.Tensor:
+    t = torch.randn(5, 8).to(dtype)
+    specials = torch.tensor([float("nan"), float("inf"), -float("inf"), -0.0, 0.0, 1e-40, 65504.0, -1.5])
+    t[0] = specials.to(dtype)
+    bits = t.view(_INT_VIEW[dtype])
+    bits[1, 0] = 0x7FC1 if dtype != torch.float32 else 0x7FC00123  # NaN with a non-default payload
+    return t
+
+
+def _item(index: int, emb: torch.Tensor, modality: str = "image") -> EmbeddingItem:
+    return EmbeddingItem(index, bytes([index]) * 16, modality, (1, 2, 4), 0.5 * index, emb)
+
+
+def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and torch.equal(a.view(_INT_VIEW[a.dtype]), b.view(_INT_VIEW[b.dtype]))
+
+
+def _good_frames() -> list:
+    return encode_part("req", 0, 1, "local", [_item(0, torch.randn(3, 4))])
+
+
+def _tamper_header(frames: list, **changes) -> list:
+    header = msgspec.msgpack.decode(frames[0])
+    header.update(changes)
+    return [msgspec.msgpack.encode(header), frames[1]]
+
+
+def _tamper_item(frames: list, **changes) -> list:
+    header = msgspec.msgpack.decode(frames[0])
+    header["items"][0].update(changes)
+    return [msgspec.msgpack.encode(header), frames[1]]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_round_trip_bit_exact(dtype: torch.dtype) -> None:
+    emb = _special_values(dtype)
+    header, items = decode_part(encode_part("req-1", 0, 1, "local", [_item(3, emb)]))
+    assert header.version == WIRE_VERSION and header.request_id == "req-1" and header.error is None
+    assert header.sent_at > 0
+    (got,) = items
+    assert _bits_equal(got.embedding, emb)
+    assert (got.item_index, got.content_hash, got.modality) == (3, bytes([3]) * 16, "image")
+    assert got.grid_thw == (1, 2, 4) and got.second_per_grid_t == 1.5
+    got.embedding.add_(1)  # decoded tensors own writable memory
+
+
+def test_multiple_items_mixed_shapes_and_dtypes() -> None:
+    embs = [
+        torch.randn(3, 5, dtype=torch.float16),  # odd byte count: later items start unaligned
+        torch.randn(7, 16),
+        torch.randn(0, 16).bfloat16(),
+        torch.randn(4, 6).bfloat16().t(),  # non-contiguous input
+    ]
+    items = [
+        _item(i, e, modality)
+        for i, (e, modality) in enumerate(zip(embs, ["image", "video", "audio", "image"], strict=True))
+    ]
+    header, got = decode_part(encode_part("req-2", 1, 3, "http://enc:8000", items))
+    assert (header.part_index, header.num_parts, header.encoder) == (1, 3, "http://enc:8000")
+    assert [it.item_index for it in got] == [0, 1, 2, 3]
+    assert [it.modality for it in got] == ["image", "video", "audio", "image"]
+    for want, have in zip(embs, got, strict=True):
+        assert have.embedding.shape == want.shape and _bits_equal(have.embedding, want.contiguous())
+        assert have.embedding.is_contiguous()
+
+
+def test_decoded_tensor_outlives_frame_buffer() -> None:
+    emb = torch.randn(4, 8)
+    header_frame, payload = encode_part("r", 0, 1, "local", [_item(0, emb)])
+    buf = bytearray(payload)
+    _, (got,) = decode_part([header_frame, buf])
+    buf[:] = b"\0" * len(buf)
+    assert torch.equal(got.embedding, emb)
+
+
+def test_error_part() -> None:
+    err = PartError(413, "too_large", "image exceeds 50 MB")
+    header, items = decode_part(encode_error("req-3", 2, 4, "http://enc:1", err))
+    assert header.error == err and items == [] and header.part_index == 2
+
+
+@pytest.mark.parametrize(
+    ("make", "match"),
+    [
+        (lambda f: _tamper_header(f, version=WIRE_VERSION + 1), "version"),
+        (lambda f: f + [b"extra"], "frames"),
+        (lambda f: f[:1], "frames"),
+        (lambda f: [f[0], bytes(f[1])[:-1]], "outside payload"),
+        (lambda f: _tamper_item(f, offset=10_000), "outside payload"),
+        (lambda f: _tamper_item(f, nbytes=44), "nbytes"),
+        (lambda f: _tamper_item(f, dtype="float64"), "dtype"),
+        (lambda f: _tamper_item(f, modality="smell"), "modality"),
+        (lambda f: [b"\xc1not msgpack", f[1]], "header"),
+        (lambda f: [msgspec.msgpack.encode([1, 2, 3]), f[1]], "header"),
+        (lambda f: _tamper_item(f, content_hash=b"short"), "content_hash"),
+        (lambda f: _tamper_header(f, part_index=1), "part_index"),
+        (lambda f: _tamper_header(f, error={"status": 500, "code": "x", "message": "y"}), "error part"),
+    ],
+    ids=[
+        "bad-version",
+        "too-many-frames",
+        "too-few-frames",
+        "truncated-payload",
+        "offset-past-end",
+        "nbytes-mismatch",
+        "unknown-dtype",
+        "unknown-modality",
+        "non-msgpack-header",
+        "wrong-header-type",
+        "wrong-hash-length",
+        "part-index-range",
+        "error-with-items",
+    ],
+)
+def test_malformed_raises_wire_error(make, match: str) -> None:
+    with pytest.raises(WireError, match=match):
+        decode_part(make(_good_frames()))
+
+
+def test_overlapping_items_rejected() -> None:
+    frames = encode_part("r", 0, 1, "local", [_item(0, torch.randn(2, 2)), _item(1, torch.randn(2, 2))])
+    header = msgspec.msgpack.decode(frames[0])
+    header["items"][1]["offset"] = 8
+    with pytest.raises(WireError, match="overlaps"):
+        decode_part([msgspec.msgpack.encode(header), bytes(frames[1]) + b"\0" * 8])
+
+
+@pytest.fixture(params=["tcp", "ipc"])
+def receiver(request, tmp_path) -> Iterator[EmbeddingReceiver]:
+    bind = "tcp://127.0.0.1:0" if request.param == "tcp" else f"ipc://{tmp_path}/emb.sock"
+    with EmbeddingReceiver(bind) as rx:
+        yield rx
+
+
+@pytest.fixture
+def sender() -> Iterator[EmbeddingSender]:
+    with EmbeddingSender(send_timeout_s=RECV_TIMEOUT_S) as tx:
+        yield tx
+
+
+def test_part_arrives_intact_and_socket_is_reused(
+    receiver: EmbeddingReceiver, sender: EmbeddingSender
+) -> None:
+    embs = [torch.randn(64, 32).bfloat16(), torch.randn(16, 32)]
+    for part in range(2):
+        sender.send(receiver.endpoint, encode_part("req", part, 2, "local", [_item(part, embs[part])]))
+    assert sender.num_sockets == 1
+    for part in range(2):
+        got = receiver.recv_part(RECV_TIMEOUT_S)
+        assert got is not None
+        header, (item,) = got
+        assert header.part_index == part and _bits_equal(item.embedding, embs[part])
+    assert receiver.recv_part(0.05) is None
+
+
+def test_malformed_message_then_good_one(receiver: EmbeddingReceiver, sender: EmbeddingSender) -> None:
+    sender.send(receiver.endpoint, [b"junk", b"more", b"frames"])
+    sender.send(receiver.endpoint, encode_error("req", 0, 1, "local", PartError(503, "busy", "overloaded")))
+    with pytest.raises(WireError):
+        receiver.recv_part(RECV_TIMEOUT_S)
+    got = receiver.recv_part(RECV_TIMEOUT_S)
+    assert got is not None and got[0].error is not None and got[0].error.status == 503
+
+
+@pytest.mark.parametrize("scheme", ["tcp", "ipc"])
+def test_send_without_listener_times_out(scheme: str, tmp_path) -> None:
+    if scheme == "tcp":
+        with EmbeddingReceiver() as gone:
+            endpoint = gone.endpoint
+    else:
+        endpoint = f"ipc://{tmp_path}/nobody.sock"
+    with EmbeddingSender(send_timeout_s=0.3) as tx:
+        start = time.monotonic()
+        with pytest.raises(SendTimeout):
+            tx.send(endpoint, _good_frames())
+        assert 0.25 < time.monotonic() - start < 1.5
+
+
+def test_send_after_close_raises() -> None:
+    tx = EmbeddingSender(send_timeout_s=0.1)
+    tx.close()
+    with pytest.raises(RuntimeError):
+        tx.send("ipc:///nonexistent/x.sock", _good_frames())
