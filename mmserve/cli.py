@@ -49,21 +49,28 @@ def _json_arg(text: str | None, flag: str) -> dict:
     return value
 
 
-def engine_config_from_args(args: argparse.Namespace):
-    from mmserve.config import EngineConfig, MediaConfig
-    from mmserve.models.loader import resolve_model_path
+def media_config_from_args(args: argparse.Namespace):
+    from mmserve.config import MediaConfig
 
-    media = MediaConfig(
+    return MediaConfig(
         max_media_bytes=int(args.max_media_mb * 2**20), fetch_timeout_s=args.media_fetch_timeout_s,
         allowed_local_media_path=args.allowed_local_media_path,
         allowed_media_domains=tuple(args.allowed_media_domains or ()), allow_private_urls=args.allow_private_media_urls,
     )  # fmt: skip
+
+
+def engine_config_from_args(args: argparse.Namespace):
+    from mmserve.config import EngineConfig
+    from mmserve.models.loader import resolve_model_path
+
+    media = media_config_from_args(args)
     return EngineConfig(
         model=resolve_model_path(args.model), dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
         kv_cache_mb=args.kv_cache_mb, disable_prefix_cache=args.disable_prefix_cache,
         embedding_cache_mb=args.embedding_cache_mb,
         mm_processor_kwargs=tuple(_json_arg(args.mm_processor_kwargs, "--mm-processor-kwargs").items()), media=media,
+        language_only=getattr(args, "language_only", False), encode_timeout_s=getattr(args, "encode_timeout_s", 60.0),
     )  # fmt: skip
 
 
@@ -77,9 +84,41 @@ def _serve(args: argparse.Namespace) -> int:
         host=args.host, port=args.port, served_model_name=args.served_model_name or args.model,
         api_key=args.api_key, limit_mm_per_prompt=tuple((k, int(v)) for k, v in limits.items()),
         max_waiting_requests=args.max_waiting_requests, max_request_body_bytes=int(args.max_request_body_mb * 2**20),
-        log_level=args.log_level,
+        log_level=args.log_level, encoder_urls=tuple(args.encoder_urls or ()), encoder_workers=args.encoder_workers,
+        encoder_routing=args.encoder_routing, encoder_probe_interval_s=args.encoder_probe_interval_s,
+        encoder_probe_timeout_s=args.encoder_probe_timeout_s,
     )  # fmt: skip
     return serve(server_cfg, engine_config_from_args(args))
+
+
+def _encoder(args: argparse.Namespace) -> int:
+    from mmserve.config import EncoderConfig
+    from mmserve.encoder.launch import serve_encoder
+    from mmserve.models.loader import resolve_model_path
+
+    cfg = EncoderConfig(
+        model=resolve_model_path(args.model), host=args.host, port=args.port, dtype=args.dtype, device=args.device,
+        max_batch_items=args.max_batch_items, max_batch_wait_ms=args.max_batch_wait_ms, max_pending=args.max_pending,
+        embedding_cache_mb=args.embedding_cache_mb, register_urls=tuple(args.register_url or ()),
+        register_interval_s=args.register_interval_s,
+        advertise_url=args.advertise_url, media=media_config_from_args(args),
+        mm_processor_kwargs=tuple(_json_arg(args.mm_processor_kwargs, "--mm-processor-kwargs").items()),
+    )  # fmt: skip
+    return serve_encoder(cfg, args.log_level)
+
+
+def add_media_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--mm-processor-kwargs", default=None, help="JSON, e.g. '{\"max_pixels\": 802816}'")
+    p.add_argument(
+        "--allowed-local-media-path", default=None, help="file:// media is read only below this dir"
+    )
+    p.add_argument(
+        "--allowed-media-domains", nargs="*", default=None, help="http(s) media only from these hosts"
+    )
+    p.add_argument("--allow-private-media-urls", action="store_true",
+                   help="allow media URLs on loopback/private addresses (intranets, tests)")  # fmt: skip
+    p.add_argument("--max-media-mb", type=float, default=32)
+    p.add_argument("--media-fetch-timeout-s", type=float, default=10)
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -128,7 +167,41 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-waiting-requests", type=int, default=256)
     p.add_argument("--max-request-body-mb", type=float, default=64)
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument(
+        "--encoder-urls", nargs="*", default=None, help="encoder services to dispatch media to (EPD)"
+    )
+    p.add_argument("--encoder-workers", type=int, default=0, help="spawn N local encoder processes (EPD)")
+    p.add_argument(
+        "--language-only", action="store_true", help="load no vision weights; media via encoders only"
+    )
+    p.add_argument(
+        "--encoder-routing",
+        default="cache_affinity",
+        choices=["cache_affinity", "round_robin", "least_loaded"],
+    )
+    p.add_argument(
+        "--encode-timeout-s", type=float, default=60.0, help="a request's embeddings must arrive by then"
+    )
+    p.add_argument("--encoder-probe-interval-s", type=float, default=5.0)
+    p.add_argument("--encoder-probe-timeout-s", type=float, default=2.0)
     p.set_defaults(func=_serve)
+
+    p = sub.add_parser("encoder", help="standalone vision encoder service (vision weights only)")
+    p.add_argument("--model", required=True, help="local checkpoint directory or hub id")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=9000)
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--max-batch-items", type=int, default=8, help="items fused into one tower forward")
+    p.add_argument("--max-batch-wait-ms", type=float, default=5.0)
+    p.add_argument("--max-pending", type=int, default=64, help="jobs queued or running; more get 503")
+    p.add_argument("--embedding-cache-mb", type=float, default=1024)
+    p.add_argument("--register-url", nargs="*", default=None, help="language servers to register with")
+    p.add_argument("--register-interval-s", type=float, default=5.0, help="registration heartbeat period")
+    p.add_argument("--advertise-url", default=None, help="URL servers use to reach this encoder")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    add_media_args(p)
+    p.set_defaults(func=_encoder)
 
     p = sub.add_parser("bench", help="performance, measured side by side")
     bench = p.add_subparsers(dest="bench_command", required=True)

@@ -120,6 +120,8 @@ class EngineConfig:
     embedding_cache_mb: float = 512.0
     mm_processor_kwargs: tuple[tuple[str, object], ...] = ()
     media: MediaConfig = MediaConfig()
+    language_only: bool = False  # load no vision weights; media must come from encoder services
+    encode_timeout_s: float = 60.0  # a request waiting for embedding parts fails (504) after this
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1:
@@ -145,7 +147,39 @@ class ServerConfig:
     max_request_body_bytes: int = 64 * 1024 * 1024
     engine_start_timeout_s: float = 600.0
     log_level: str = "info"
+    encoder_urls: tuple[str, ...] = ()  # static encoder services (EPD)
+    encoder_workers: int = 0  # local encoder processes to spawn (EPD on one machine)
+    encoder_routing: str = "cache_affinity"  # cache_affinity | round_robin | least_loaded
+    encoder_probe_interval_s: float = 5.0
+    encoder_probe_timeout_s: float = 2.0
+    encoder_failure_threshold: int = 3
+    encoder_drop_after_s: float = 300.0
 
     @property
     def mm_limits(self) -> dict[str, int]:
         return dict(self.limit_mm_per_prompt)
+
+
+@dataclass(frozen=True)
+class EncoderConfig:
+    """`mmserve encoder` settings: a standalone vision encoder service (vision weights only)."""
+
+    model: str
+    host: str = "127.0.0.1"
+    port: int = 9000
+    dtype: str = "float32"
+    device: str = "cpu"
+    max_batch_items: int = 8  # items fused into one tower forward
+    max_batch_wait_ms: float = 5.0  # how long the first item of a batch waits for company
+    max_pending: int = 64  # jobs queued or running; more get 503
+    embedding_cache_mb: float = 1024.0
+    send_timeout_s: float = 5.0  # pushing a part to an engine
+    register_urls: tuple[str, ...] = ()  # language servers to register with (and heartbeat)
+    register_interval_s: float = 5.0
+    advertise_url: str | None = None  # the URL servers should call; default http://host:port
+    mm_processor_kwargs: tuple[tuple[str, object], ...] = ()
+    media: MediaConfig = MediaConfig()
+
+    @property
+    def url(self) -> str:
+        return self.advertise_url or f"http://{self.host}:{self.port}"

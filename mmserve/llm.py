@@ -36,7 +36,7 @@ class RequestOutput:
 
 def _metrics(req) -> dict[str, float]:
     timings = req.encode_timings
-    encode = timings.fetch_s + timings.compute_s if timings is not None else 0.0
+    encode = timings.total_s if timings is not None else 0.0
     scheduled = req.first_scheduled_time or req.arrival_time
     first = req.first_token_time or scheduled
     end = req.finish_time or first

@@ -132,6 +132,11 @@ class EncoderRegistry:
             self._unregistered.add(url)
             return True
 
+    def is_unregistered(self, url: str) -> bool:
+        """True if `url` was explicitly unregistered (and not registered again since)."""
+        with self._lock:
+            return normalize_url(url) in self._unregistered
+
     def record_success(self, url: str, stats: dict | None = None) -> None:
         """Record a successful probe or request (mutates: failures reset, health revived, last_seen, stats).
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from mmserve.config import MediaConfig
+from mmserve.encoder.batcher import TowerBatcher
 from mmserve.multimodal.cache import EmbeddingCache
 from mmserve.multimodal.errors import UnsupportedMediaError
 from mmserve.multimodal.items import Modality, MultimodalItem, content_hash
@@ -44,40 +45,35 @@ class EncodedItem:
                               second_per_grid_t=self.second_per_grid_t)  # fmt: skip
 
 
-class VisionTower:
-    """Runs an HF vision tower (the `visual` module, loaded on its own) on one processed item.
+class BatchedTower:
+    """The tower as a callable for one item, served by a TowerBatcher (fused with concurrent callers)."""
 
-    Same computation as HF's `get_image_features` / `get_video_features` for a single item: the tower's
-    merged output (`pooler_output`), `(num_tokens, hidden)`.
-    """
+    def __init__(self, batcher: TowerBatcher, timeout_s: float = 300.0) -> None:
+        self.batcher = batcher
+        self.timeout_s = timeout_s
 
-    def __init__(self, visual: torch.nn.Module) -> None:
-        self.visual = visual
-        self.dtype = visual.dtype
-        self.device = next(visual.parameters()).device
-
-    @torch.no_grad()
     def __call__(self, item: ProcessedItem) -> torch.Tensor:
-        if item.modality not in (Modality.IMAGE, Modality.VIDEO):
-            raise UnsupportedMediaError(f"{item.modality.value} input is not supported by this model")
-        grid = torch.tensor([item.grid_thw], device=self.device)
-        pixels = item.pixel_values.to(self.device, self.dtype)
-        return self.visual(pixels, grid_thw=grid).pooler_output
+        return self.batcher.submit(item).result(timeout=self.timeout_s)
 
 
 @dataclass
 class EncodeTimings:
-    fetch_s: float = 0.0
-    compute_s: float = 0.0  # decode + preprocess + tower, on cache misses
+    fetch_s: float = 0.0  # bytes of every item (download / base64 / file)
+    preprocess_s: float = 0.0  # decode + preprocess, cache misses only
+    forward_s: float = 0.0  # waiting for and running the tower, cache misses only
     hits: int = 0
     misses: int = 0
     per_item: list[str] = field(default_factory=list)  # "hit" / "miss" in request order
+
+    @property
+    def total_s(self) -> float:
+        return self.fetch_s + self.preprocess_s + self.forward_s
 
 
 class MultimodalEncoder:
     """Media reference -> EncodedItem through the embedding cache (see module docstring)."""
 
-    def __init__(self, tower: VisionTower, processor, cache: EmbeddingCache, media_cfg: MediaConfig) -> None:
+    def __init__(self, tower: BatchedTower, processor, cache: EmbeddingCache, media_cfg: MediaConfig) -> None:
         self.tower = tower
         self.processor = processor
         self.cache = cache
@@ -92,18 +88,20 @@ class MultimodalEncoder:
         start = time.perf_counter()
         data = load_bytes(ref, self.media_cfg)
         digest = self.item_hash(modality, data)
-        fetched = time.perf_counter()
-        timings.fetch_s += fetched - start
+        timings.fetch_s += time.perf_counter() - start
         computed = []
 
         def compute() -> EncodedItem:
             computed.append(True)
+            t0 = time.perf_counter()
             processed = self.processor.process(modality, self._decode(modality, data))
+            t1 = time.perf_counter()
             embedding = self.tower(processed)
+            timings.preprocess_s += t1 - t0
+            timings.forward_s += time.perf_counter() - t1
             return EncodedItem(modality, digest, embedding, processed.grid_thw, processed.second_per_grid_t)
 
         encoded = self.cache.get_or_compute(digest, compute)
-        timings.compute_s += time.perf_counter() - fetched
         timings.per_item.append("miss" if computed else "hit")
         timings.misses += bool(computed)
         timings.hits += not computed

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 import torch
 
 from mmserve.config import EngineConfig, ModelConfig
-from mmserve.encoder.runner import EncodedItem, EncodeTimings, MultimodalEncoder, VisionTower
+from mmserve.encoder.batcher import TowerBatcher
+from mmserve.encoder.runner import BatchedTower, EncodedItem, EncodeTimings, MultimodalEncoder
 from mmserve.engine.kv_pool import KVPool
 from mmserve.engine.model_runner import ModelRunner
 from mmserve.engine.radix_cache import NoPrefixCache, RadixCache
@@ -26,7 +27,7 @@ from mmserve.engine.scheduler import Scheduler, SchedulerConfig
 from mmserve.models.loader import load_hf_config, load_processor, load_vision_tower, parse_dtype
 from mmserve.multimodal.cache import EmbeddingCache
 from mmserve.multimodal.embedding import PlacedEmbedding
-from mmserve.multimodal.errors import MediaError
+from mmserve.multimodal.errors import EncoderUnavailableError, MediaError
 from mmserve.multimodal.items import Modality
 from mmserve.multimodal.media import MediaRef
 
@@ -77,10 +78,12 @@ class Engine:
         self.scheduler = Scheduler(sched_cfg, self.pool, prefix_cache)
         self.sampler = Sampler()
         self.processor = load_processor(cfg.model, hf_config, dict(cfg.mm_processor_kwargs))
-        tower = VisionTower(load_vision_tower(cfg.model, hf_config, cfg.dtype, cfg.device))
-        self.encoder = MultimodalEncoder(
-            tower, self.processor, EmbeddingCache(cfg.embedding_cache_mb), cfg.media
-        )
+        self.encoder: MultimodalEncoder | None = None
+        if not cfg.language_only:
+            visual = load_vision_tower(cfg.model, hf_config, cfg.dtype, cfg.device)
+            self.batcher = TowerBatcher(visual, max_batch_items=1)
+            cache = EmbeddingCache(cfg.embedding_cache_mb)
+            self.encoder = MultimodalEncoder(BatchedTower(self.batcher), self.processor, cache, cfg.media)
         self.requests: dict[str, Request] = {}
         per_token = KVPool.bytes_per_token(self.model_config.num_layers, self.model_config.num_kv_heads,
                                            self.model_config.head_dim, parse_dtype(cfg.dtype))  # fmt: skip
@@ -91,7 +94,12 @@ class Engine:
 
     # -- requests -------------------------------------------------------------------------------
     def encode(self, media: list[tuple[Modality, MediaRef]], timings: EncodeTimings) -> list[EncodedItem]:
-        """Raises MediaError naming the item ("image #2: ...") for bad media."""
+        """Raises MediaError naming the item ("image #2: ...") for bad media, EncoderUnavailableError when this
+        engine has no vision tower (language-only)."""
+        if media and self.encoder is None:
+            raise EncoderUnavailableError(
+                "no encoder is available for this request and this engine has no vision tower"
+            )
         out, seen = [], {}
         for modality, ref in media:
             seen[modality] = seen.get(modality, 0) + 1
@@ -173,4 +181,5 @@ class Engine:
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
-        self.encoder.cache.check_integrity()
+        if self.encoder is not None:
+            self.encoder.cache.check_integrity()

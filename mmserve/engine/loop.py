@@ -15,30 +15,25 @@ import argparse
 import json
 import logging
 import os
-import queue
 import signal
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 
 import msgspec
 import zmq
 
 from mmserve.config import EngineConfig, MediaConfig
-from mmserve.encoder.runner import EncodeTimings
 from mmserve.engine.engine import Engine
+from mmserve.engine.intake import Intake
 from mmserve.engine.kv_pool import KVPool
-from mmserve.engine.sampling_params import SamplingParams
 from mmserve.models.loader import parse_dtype
-from mmserve.multimodal.errors import MediaError
-from mmserve.multimodal.items import Modality
-from mmserve.multimodal.media import MediaRef
 from mmserve.transport import messages as m
 
 logger = logging.getLogger("mmserve.engine")
 STATS_INTERVAL_S = 0.25
 IDLE_POLL_MS = 20
+WAITING_POLL_MS = 2
 
 
 def engine_config_to_json(cfg: EngineConfig) -> str:
@@ -53,14 +48,6 @@ def engine_config_from_json(text: str) -> EngineConfig:
     return EngineConfig(media=MediaConfig(**media), **raw)
 
 
-def _media(req: m.GenerateReq) -> list[tuple[Modality, MediaRef]]:
-    out = []
-    for item in req.media:
-        ref = MediaRef.from_bytes(item.data) if item.data is not None else MediaRef.parse(item.url or "")
-        out.append((Modality(item.modality), ref))
-    return out
-
-
 class EngineLoop:
     def __init__(self, engine: Engine, input_addr: str, output_addr: str) -> None:
         self.engine = engine
@@ -72,11 +59,7 @@ class EngineLoop:
         self.output.connect(output_addr)
         self.decoder = msgspec.msgpack.Decoder(m.ToEngine)
         self.encoder = msgspec.msgpack.Encoder()
-        self.encode_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mm-encode")
-        self.encoded: queue.Queue = queue.Queue()  # (GenerateReq, encoded items | MsgError, timings)
-        self.encoding: set[str] = set()  # request ids whose media is being encoded
-        self.aborted_while_encoding: set[str] = set()
-        self.encode_seconds_total = 0.0
+        self.intake = Intake(engine)
         self.parent_pid = os.getppid()
         self.running = True
 
@@ -86,66 +69,22 @@ class EngineLoop:
     # -- inputs -------------------------------------------------------------------------------------
     def handle(self, msg) -> None:
         if isinstance(msg, m.GenerateReq):
-            self.encoding.add(msg.request_id)
-            self.encode_pool.submit(self._encode, msg)
+            self._send_all(self.intake.generate(msg))
+        elif isinstance(msg, m.LocalEncodeReq):
+            self.intake.local_encode(msg)
+        elif isinstance(msg, m.FailReq):
+            self._send_all(self.intake.fail(msg))
         elif isinstance(msg, m.AbortReq):
-            if msg.request_id in self.encoding:
-                self.aborted_while_encoding.add(msg.request_id)
+            self.intake.abort(msg.request_id)
             self.engine.abort(msg.request_id)
         elif isinstance(msg, m.PingReq):
             self.send(self.stats(msg.nonce))
         elif isinstance(msg, m.ShutdownReq):
             self.running = False
 
-    def _encode(self, req: m.GenerateReq) -> None:
-        """Worker thread: fetch + encode media (cache by content hash). Never touches the scheduler."""
-        timings = EncodeTimings()
-        try:
-            encoded = self.engine.encode(_media(req), timings)
-        except MediaError as e:
-            self.encoded.put((req, m.ErrorMsg(req.request_id, e.status, e.code, str(e)), timings))
-            return
-        except Exception as e:  # a bug or a tower failure: the request fails loudly, the engine lives on
-            logger.exception("encoding failed for %s", req.request_id)
-            self.encoded.put(
-                (req, m.ErrorMsg(req.request_id, 500, "encode_failed", f"encoding failed: {e}"), timings)
-            )
-            return
-        self.encoded.put((req, encoded, timings))
-
-    def admit_encoded(self) -> None:
-        while True:
-            try:
-                req, encoded, timings = self.encoded.get_nowait()
-            except queue.Empty:
-                return
-            self.encoding.discard(req.request_id)
-            self.encode_seconds_total += timings.fetch_s + timings.compute_s
-            if req.request_id in self.aborted_while_encoding:
-                self.aborted_while_encoding.discard(req.request_id)
-                continue
-            if isinstance(encoded, m.ErrorMsg):
-                self.send(encoded)
-                continue
-            try:
-                s = req.sampling
-                max_tokens = s.max_tokens
-                if max_tokens is None:  # the rest of the context, as far as the KV cache can hold it
-                    prompt_len = len(req.prompt_token_ids) - len(encoded) + sum(e.num_tokens for e in encoded)
-                    limit = min(self.engine.model_config.max_model_len, self.engine.pool.num_slots)
-                    max_tokens = max(1, limit - prompt_len)
-                params = SamplingParams(
-                    max_tokens=max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p,
-                    seed=s.seed, stop_token_ids=list(s.stop_token_ids), ignore_eos=s.ignore_eos,
-                )  # fmt: skip
-                engine_req = self.engine.add_request(req.request_id, list(req.prompt_token_ids), params,
-                                                     encoded=encoded)  # fmt: skip
-            except ValueError as e:
-                self.send(m.ErrorMsg(req.request_id, 400, "invalid_request", str(e)))
-                continue
-            engine_req.encode_timings = timings
-            self.send(m.AcceptedMsg(req.request_id, engine_req.prompt_len, timings.fetch_s + timings.compute_s,
-                                    len(encoded), timings.hits))  # fmt: skip
+    def _send_all(self, msgs: list) -> None:
+        for msg in msgs:
+            self.send(msg)
 
     # -- outputs ------------------------------------------------------------------------------------
     def step(self) -> None:
@@ -160,13 +99,22 @@ class EngineLoop:
             self.send(msg)
 
     def stats(self, nonce: int = 0) -> m.StatsMsg:
-        e = self.engine
-        cache = e.encoder.cache.stats
+        e, intake = self.engine, self.intake
+        cache = e.encoder.cache.stats if e.encoder is not None else None
+        r = intake.assembler.stats
+        dropped = (
+            r.dropped_stale
+            + r.dropped_unknown
+            + r.dropped_invalid
+            + r.dropped_duplicate
+            + intake.parts_malformed
+        )
         return m.StatsMsg(
-            num_running=len(e.scheduler.running), num_waiting=len(e.scheduler.waiting) + len(self.encoding),
+            num_running=len(e.scheduler.running), num_waiting=len(e.scheduler.waiting) + intake.num_waiting,
             kv_cache_usage=e.pool.usage, prefix_cache_queries=e.scheduler.stats.prefix_queries_tokens,
-            prefix_cache_hits=e.scheduler.stats.prefix_hit_tokens, mm_cache_queries=cache.queries,
-            mm_cache_hits=cache.hits, encode_seconds_total=self.encode_seconds_total, nonce=nonce,
+            prefix_cache_hits=e.scheduler.stats.prefix_hit_tokens, mm_cache_queries=cache.queries if cache else 0,
+            mm_cache_hits=cache.hits if cache else 0, encode_seconds_total=intake.encode_seconds_total, nonce=nonce,
+            parts_received=r.parts, parts_dropped=dropped,
         )  # fmt: skip
 
     def run(self) -> None:
@@ -175,17 +123,25 @@ class EngineLoop:
             mc.num_layers, mc.num_kv_heads, mc.head_dim, parse_dtype(cfg.dtype)
         )
         pool = self.engine.pool
-        self.send(
-            m.ReadyMsg(
-                m.SCHEMA_VERSION, mc.max_model_len, pool.num_slots, pool.num_slots * per_token, per_token
-            )
-        )
+        endpoint, has_vision = self.intake.receiver.endpoint, self.engine.encoder is not None
+        ready = m.ReadyMsg(m.SCHEMA_VERSION, mc.max_model_len, pool.num_slots, pool.num_slots * per_token, per_token,
+                           endpoint, has_vision)  # fmt: skip
+        self.send(ready)
         poller = zmq.Poller()
         poller.register(self.input, zmq.POLLIN)
+        poller.register(self.intake.receiver.socket, zmq.POLLIN)
         last_stats = 0.0
         while self.running:
-            busy = self.engine.has_work or not self.encoded.empty()
-            events = dict(poller.poll(0 if busy else IDLE_POLL_MS))
+            # Encoder parts and API messages wake the poller; in-process encodes finish on a worker thread, so
+            # poll briefly while one is outstanding.
+            timeout = (
+                0
+                if self.engine.has_work or self.intake.busy
+                else WAITING_POLL_MS
+                if self.intake.num_waiting
+                else IDLE_POLL_MS
+            )
+            events = dict(poller.poll(timeout))
             if self.input in events:
                 while True:
                     try:
@@ -196,7 +152,7 @@ class EngineLoop:
                         self.handle(self.decoder.decode(raw))
                     except msgspec.DecodeError:
                         logger.warning("dropped an undecodable message (%d bytes)", len(raw))
-            self.admit_encoded()
+            self._send_all(self.intake.drain())
             if self.engine.has_work:
                 self.step()
             now = time.monotonic()
@@ -209,7 +165,7 @@ class EngineLoop:
         self.close()
 
     def close(self) -> None:
-        self.encode_pool.shutdown(wait=False, cancel_futures=True)
+        self.intake.close()
         self.input.close(linger=0)
         self.output.close()
         self.ctx.term()

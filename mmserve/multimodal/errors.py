@@ -49,3 +49,10 @@ class UnsupportedMediaError(MediaError):
     """The modality or format is not supported by this model or server."""
 
     code = "unsupported_media"
+
+
+class EncoderUnavailableError(MediaError):
+    """No encoder can take this item: no healthy encoder service and no local vision tower (HTTP 503)."""
+
+    status = 503
+    code = "encoder_unavailable"

@@ -64,7 +64,9 @@ async def _send_error(send, err: APIError) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
-def build_app(cfg: ServerConfig, client: EngineClient, tokenizer, metrics: ServerMetrics) -> FastAPI:
+def build_app(
+    cfg: ServerConfig, client: EngineClient, tokenizer, metrics: ServerMetrics, dispatcher=None
+) -> FastAPI:
     app = FastAPI(title="mmserve", version="0.1.0")
     app.add_middleware(BodyLimitMiddleware, max_bytes=cfg.max_request_body_bytes)
     ids = itertools.count()
@@ -192,7 +194,7 @@ def build_app(cfg: ServerConfig, client: EngineClient, tokenizer, metrics: Serve
         params = body.sampling_params(max_tokens or 1, 1)
         check_capacity()
         gen = Generation(client, tokenizer, metrics, f"{kind}-{uuid.uuid4().hex[:12]}-{next(ids)}", prompt_ids,
-                         items, params, max_tokens)  # fmt: skip
+                         items, params, max_tokens, dispatcher)  # fmt: skip
         await run_with_disconnect(request, gen.start())
         created, model = int(time.time()), cfg.served_model_name
         if body.stream:
@@ -243,6 +245,40 @@ def build_app(cfg: ServerConfig, client: EngineClient, tokenizer, metrics: Serve
             metrics.record_error(e.status)
             yield f"data: {json.dumps(e.body())}\n\n"
         yield "data: [DONE]\n\n"
+
+    # -- encoder registry -------------------------------------------------------------------------
+    async def encoder_url(request: Request) -> tuple[str, dict]:
+        body = await request.json()
+        url = body.get("url") if isinstance(body, dict) else None
+        if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+            raise APIError(400, 'body must be {"url": "http(s)://host:port"}', "invalid_encoder_url")
+        return url.rstrip("/"), body
+
+    @app.post("/register_encoder")
+    async def register_encoder(request: Request):
+        url, body = await encoder_url(request)
+        registry = dispatcher.registry
+        if body.get("heartbeat") and registry.is_unregistered(url):
+            raise APIError(409, f"encoder {url} was unregistered; register it explicitly to bring it back",
+                           "encoder_unregistered")  # fmt: skip
+        if body.get("heartbeat") and registry.get(url) is not None:
+            registry.record_success(url)
+        else:
+            registry.register(url)
+        return {"url": url, "registered": True}
+
+    @app.post("/unregister_encoder")
+    async def unregister_encoder(request: Request):
+        url, _ = await encoder_url(request)
+        if not dispatcher.registry.unregister(url):
+            raise APIError(404, f"encoder {url} is not registered", "encoder_not_found")
+        return {"url": url, "registered": False}
+
+    @app.get("/encoders")
+    async def encoders():
+        return {"encoders": [e.as_json() for e in dispatcher.registry.all()], "routing": cfg.encoder_routing,
+                "embedding_endpoint": dispatcher.embedding_endpoint, "failovers": dispatcher.failovers,
+                "local_fallbacks": dispatcher.local_fallbacks}  # fmt: skip
 
     # -- operations -------------------------------------------------------------------------------
     @app.get("/health")

@@ -162,6 +162,11 @@ class EngineClient:
             if not finished and not self.dead:
                 await self.abort(req.request_id)
 
+    async def send(self, msg) -> None:
+        """Send any ToEngine message (dispatcher: local encode / fail)."""
+        if not self.dead:
+            await self.to_engine.send(self.encoder.encode(msg))
+
     async def abort(self, request_id: str) -> None:
         try:
             await self.to_engine.send(self.encoder.encode(m.AbortReq(request_id)), flags=zmq.NOBLOCK)

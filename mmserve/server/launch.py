@@ -15,9 +15,25 @@ import signal
 import uvicorn
 
 from mmserve.config import EngineConfig, ServerConfig
+from mmserve.dispatch.dispatcher import Dispatcher
+from mmserve.dispatch.policy import make_policy
+from mmserve.dispatch.registry import EncoderRegistry, RegistryConfig
+from mmserve.server.encoder_workers import EncoderWorkers
 from mmserve.server.engine_client import EngineClient, EngineDeadError
 
 logger = logging.getLogger("mmserve.server")
+
+
+def build_dispatcher(
+    server_cfg: ServerConfig, engine_cfg: EngineConfig, client: EngineClient, ready
+) -> Dispatcher:
+    registry = EncoderRegistry(RegistryConfig(
+        failure_threshold=server_cfg.encoder_failure_threshold, drop_after_s=server_cfg.encoder_drop_after_s,
+        probe_interval_s=server_cfg.encoder_probe_interval_s, probe_timeout_s=server_cfg.encoder_probe_timeout_s,
+    ))  # fmt: skip
+    # Two attempts per part (first encoder, one retry) must fit well inside the engine's deadline.
+    return Dispatcher(registry, make_policy(server_cfg.encoder_routing), client, ready.embedding_endpoint,
+                      ready.has_vision, attempt_timeout_s=engine_cfg.encode_timeout_s / 3)  # fmt: skip
 
 
 async def serve_async(server_cfg: ServerConfig, engine_cfg: EngineConfig) -> int:
@@ -45,13 +61,31 @@ async def serve_async(server_cfg: ServerConfig, engine_cfg: EngineConfig) -> int
           f"({ready.kv_cache_bytes / 2**20:.1f} MB, {ready.kv_bytes_per_token} bytes/token), "
           f"max model len {ready.max_model_len}", flush=True)  # fmt: skip
     tokenizer = load_tokenizer(engine_cfg.model)
-    app = build_app(server_cfg, client, tokenizer, ServerMetrics(server_cfg.served_model_name))
+    dispatcher = build_dispatcher(server_cfg, engine_cfg, client, ready)
+    workers = EncoderWorkers(engine_cfg, server_cfg.encoder_workers, server_cfg.log_level)
+    try:
+        await workers.wait_healthy(server_cfg.engine_start_timeout_s)
+    except RuntimeError as e:
+        logger.error("%s", e)
+        workers.stop()
+        await client.shutdown()
+        return 1
+    for url in (*server_cfg.encoder_urls, *workers.urls):
+        dispatcher.registry.add_static(url)
+    if dispatcher.registry.all():
+        print(f"mmserve: EPD with encoders {[e.url for e in dispatcher.registry.all()]} "
+              f"(routing {server_cfg.encoder_routing})", flush=True)  # fmt: skip
+    app = build_app(server_cfg, client, tokenizer, ServerMetrics(server_cfg.served_model_name), dispatcher)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
         print(f"mmserve: serving {server_cfg.served_model_name!r} on http://{server_cfg.host}:{server_cfg.port}",
               flush=True)  # fmt: skip
+        prober = asyncio.create_task(dispatcher.probe_forever())
         yield
+        prober.cancel()
+        await dispatcher.close()
+        workers.stop()
         await client.shutdown()
 
     app.router.lifespan_context = lifespan
@@ -61,6 +95,7 @@ async def serve_async(server_cfg: ServerConfig, engine_cfg: EngineConfig) -> int
     try:
         await server.serve()
     finally:
+        workers.stop()
         if not client.dead and client.proc is not None and client.proc.poll() is None:
             await client.shutdown()
     return exit_code if server.started else max(exit_code, 1)

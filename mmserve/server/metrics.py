@@ -54,6 +54,10 @@ class ServerMetrics:
         self.encode_seconds = gauge(
             "encode_seconds_total", "Seconds the engine spent fetching and encoding media"
         )
+        self.parts_received = gauge("embedding_parts_received", "Embedding parts received from encoders")
+        self.parts_dropped = gauge(
+            "embedding_parts_dropped", "Parts dropped: stale, unknown, invalid, malformed"
+        )
         self.model_name = model_name
 
     def update_engine(self, stats: StatsMsg | None) -> None:
@@ -67,6 +71,8 @@ class ServerMetrics:
         self.mm_queries.set(stats.mm_cache_queries)
         self.mm_hits.set(stats.mm_cache_hits)
         self.encode_seconds.set(stats.encode_seconds_total)
+        self.parts_received.set(stats.parts_received)
+        self.parts_dropped.set(stats.parts_dropped)
 
     def record_error(self, status: int) -> None:
         self.errors.labels(self.model_name, str(status)).inc()

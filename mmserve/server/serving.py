@@ -7,6 +7,7 @@ generation then yields text deltas; closing it early (stop string, client gone) 
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -42,6 +43,7 @@ class Generation:
     media: list[m.MediaItemMsg]
     params: SamplingParams
     max_tokens: int | None  # None: up to the context length
+    dispatcher: object | None = None  # mmserve.dispatch.dispatcher.Dispatcher
     start_time: float = field(default_factory=time.perf_counter)
     prompt_tokens: int = 0
     cached_tokens: int = 0
@@ -49,6 +51,7 @@ class Generation:
     finish_reason: str | None = None
     mm_items: int = 0
     mm_cache_hits: int = 0
+    encoded_by: list[str] = field(default_factory=list)
     timings: Timings = field(default_factory=Timings)
 
     async def start(self) -> None:
@@ -58,11 +61,19 @@ class Generation:
             max_tokens=self.max_tokens, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, min_p=p.min_p,
             seed=p.seed, stop_token_ids=list(p.stop_token_ids), ignore_eos=p.ignore_eos,
         )  # fmt: skip
+        parts = self._plan_parts()
         try:
             self._stream = self.client.generate(
-                m.GenerateReq(self.request_id, self.prompt_token_ids, self.media, sampling)
+                m.GenerateReq(
+                    self.request_id, self.prompt_token_ids, self.media, sampling, num_parts=len(parts)
+                )
             )
-            first = await anext(self._stream)
+            pending = asyncio.ensure_future(anext(self._stream))  # sends the request to the engine first
+            if parts:
+                self._dispatch = asyncio.ensure_future(
+                    self.dispatcher.run(self.request_id, self.media, parts)
+                )
+            first = await pending
         except EngineDeadError as e:
             raise APIError(503, str(e), "engine_unavailable") from e
         if isinstance(first, m.ErrorMsg):
@@ -70,8 +81,21 @@ class Generation:
         assert isinstance(first, m.AcceptedMsg)
         self.prompt_tokens = first.prompt_tokens
         self.mm_items, self.mm_cache_hits = first.mm_items, first.mm_cache_hits
+        self.encoded_by = list(first.encoded_by)
         self.timings.encode_s = first.encode_s
         self.metrics.encode_time.observe(first.encode_s)
+
+    def _plan_parts(self) -> list:
+        """EPD parts for this request's media; [] to encode in the engine. Raises APIError 503 when neither can."""
+        if not self.media or self.dispatcher is None:
+            return []
+        parts = self.dispatcher.plan(self.media)
+        if parts is not None:
+            return parts
+        if self.dispatcher.engine_has_vision:
+            return []
+        raise APIError(503, "no healthy encoder is available and this server has no vision weights",
+                       "encoder_unavailable", headers={"Retry-After": "1"})  # fmt: skip
 
     async def deltas(self) -> AsyncIterator[str]:
         """Text deltas until the request finishes; sets finish_reason and usage. Raises APIError (engine death)."""
@@ -131,5 +155,5 @@ class Generation:
 
     def extra(self) -> dict:
         """Non-standard response field with per-request timings (the OpenAI SDK keeps unknown fields)."""
-        return {"timings": self.timings.as_dict(), "encoded_by": "engine (in-process)",
+        return {"timings": self.timings.as_dict(), "encoded_by": ", ".join(self.encoded_by) or "none",
                 "mm_items": self.mm_items, "mm_cache_hits": self.mm_cache_hits}  # fmt: skip

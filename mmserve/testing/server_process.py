@@ -66,18 +66,32 @@ def _is_zombie(pid: int) -> bool:
 
 
 def start_server(model_dir: str, *args: str, log_dir: str, timeout_s: float = 180.0,
-                 served_model_name: str = "tiny") -> ServerHandle:  # fmt: skip
-    port = free_port()
-    log_path = os.path.join(log_dir, f"server-{port}.log")
+                 served_model_name: str = "tiny", port: int | None = None) -> ServerHandle:  # fmt: skip
+    """`mmserve serve` on a free (or the given) loopback port; returns once /health is 200."""
+    port = port or free_port()
     cmd = [sys.executable, "-m", "mmserve.cli", "serve", "--model", model_dir, "--port", str(port),
            "--served-model-name", served_model_name, "--log-level", "warning", *args]  # fmt: skip
+    return _start(cmd, port, log_dir, "server", timeout_s)
+
+
+def start_encoder(model_dir: str, *args: str, log_dir: str, timeout_s: float = 120.0,
+                  port: int | None = None) -> ServerHandle:  # fmt: skip
+    """`mmserve encoder` on a free (or the given) loopback port; returns once /health is 200."""
+    port = port or free_port()
+    cmd = [sys.executable, "-m", "mmserve.cli", "encoder", "--model", model_dir, "--port", str(port),
+           "--log-level", "warning", *args]  # fmt: skip
+    return _start(cmd, port, log_dir, "encoder", timeout_s)
+
+
+def _start(cmd: list[str], port: int, log_dir: str, kind: str, timeout_s: float) -> ServerHandle:
+    log_path = os.path.join(log_dir, f"{kind}-{port}.log")
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     handle = ServerHandle(f"http://127.0.0.1:{port}", proc, log_path)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise AssertionError(f"server exited during start-up:\n{handle.log()}")
+            raise AssertionError(f"{kind} exited during start-up:\n{handle.log()}")
         try:
             if httpx.get(handle.url + "/health", timeout=2).status_code == 200:
                 return handle
@@ -85,4 +99,4 @@ def start_server(model_dir: str, *args: str, log_dir: str, timeout_s: float = 18
             pass
         time.sleep(0.2)
     handle.stop()
-    raise AssertionError(f"server not healthy after {timeout_s}s:\n{handle.log()}")
+    raise AssertionError(f"{kind} not healthy after {timeout_s}s:\n{handle.log()}")

@@ -34,6 +34,25 @@ class GenerateReq(msgspec.Struct, tag="generate"):
     prompt_token_ids: list[int]  # one placeholder token per media item
     media: list[MediaItemMsg]
     sampling: SamplingMsg
+    num_parts: int = 0  # > 0: embeddings arrive from encoders in this many parts; 0: encode in-process
+
+
+class LocalEncodeReq(msgspec.Struct, tag="local_encode"):
+    """Failover: encode one part of an EPD request with the engine's own vision tower."""
+
+    request_id: str
+    part_index: int
+    num_parts: int
+    item_indices: list[int]
+
+
+class FailReq(msgspec.Struct, tag="fail"):
+    """The dispatcher gave up on a request's encoding: end it with this error."""
+
+    request_id: str
+    status: int
+    code: str
+    message: str
 
 
 class AbortReq(msgspec.Struct, tag="abort"):
@@ -48,7 +67,7 @@ class ShutdownReq(msgspec.Struct, tag="shutdown"):
     pass
 
 
-ToEngine = GenerateReq | AbortReq | PingReq | ShutdownReq
+ToEngine = GenerateReq | LocalEncodeReq | FailReq | AbortReq | PingReq | ShutdownReq
 
 
 # -- engine -> API server ------------------------------------------------------------------------
@@ -58,6 +77,8 @@ class ReadyMsg(msgspec.Struct, tag="ready"):
     kv_cache_tokens: int
     kv_cache_bytes: int
     kv_bytes_per_token: int
+    embedding_endpoint: str  # where encoders push embedding parts
+    has_vision: bool  # the engine can encode media itself (monolithic / local failover)
 
 
 class AcceptedMsg(msgspec.Struct, tag="accepted"):
@@ -68,6 +89,7 @@ class AcceptedMsg(msgspec.Struct, tag="accepted"):
     encode_s: float
     mm_items: int
     mm_cache_hits: int
+    encoded_by: list[str] = []  # "engine (in-process)", "local (failover)", or encoder URLs
 
 
 class TokensMsg(msgspec.Struct, tag="tokens"):
@@ -96,6 +118,8 @@ class StatsMsg(msgspec.Struct, tag="stats"):
     mm_cache_hits: int
     encode_seconds_total: float
     nonce: int = 0  # echo of a PingReq, 0 for periodic stats
+    parts_received: int = 0
+    parts_dropped: int = 0  # stale + unknown + invalid + duplicate + malformed
 
 
 FromEngine = ReadyMsg | AcceptedMsg | TokensMsg | ErrorMsg | StatsMsg

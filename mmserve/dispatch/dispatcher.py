@@ -1,0 +1,159 @@
+"""Fan a request's media out to encoder services, with failover, and keep the registry's health current.
+
+`plan` splits a request's items over healthy encoders with the routing policy (routing key: hash of the
+item's bytes, or its URL). `run` POSTs one `/encode` job per part and decides each part's fate:
+- 200: delivered to the engine by the encoder; done.
+- 400/413: bad media; the encoder pushed an error part and the engine fails the request (no retry).
+- 503 (overloaded), 5xx, connection refused, timeout: retried once on another healthy encoder; then encoded
+  by the engine itself when it has a vision tower (`LocalEncodeReq`); otherwise the request is failed with
+  503 / 502 / 504 naming the cause (`FailReq`).
+Connection failures and timeouts count as strikes against the encoder (3 strikes: evicted until a health
+probe succeeds); an overloaded encoder is not unhealthy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+
+import httpx
+
+from mmserve.dispatch.policy import RoutingPolicy, plan
+from mmserve.dispatch.registry import EncoderRegistry
+from mmserve.multimodal.media import MediaRef
+from mmserve.transport import messages as m
+
+logger = logging.getLogger("mmserve.dispatch")
+
+
+@dataclass
+class Part:
+    index: int
+    url: str
+    item_indices: list[int]
+
+
+@dataclass
+class PartFailure:
+    status: int  # what the client gets if nothing else can encode the part
+    code: str
+    message: str
+
+
+class Dispatcher:
+    def __init__(self, registry: EncoderRegistry, policy: RoutingPolicy, engine, embedding_endpoint: str,
+                 engine_has_vision: bool, attempt_timeout_s: float) -> None:  # fmt: skip
+        self.registry = registry
+        self.policy = policy
+        self.engine = engine  # EngineClient: send LocalEncodeReq / FailReq
+        self.embedding_endpoint = embedding_endpoint
+        self.engine_has_vision = engine_has_vision
+        self.attempt_timeout_s = attempt_timeout_s
+        self.http = httpx.AsyncClient(timeout=attempt_timeout_s)
+        self.failovers = 0
+        self.local_fallbacks = 0
+
+    async def close(self) -> None:
+        await self.http.aclose()
+
+    def plan(self, media: list[m.MediaItemMsg]) -> list[Part] | None:
+        """Parts for this request's items, or None when no encoder is healthy."""
+        candidates = self.registry.healthy()
+        if not candidates:
+            return None
+        keys = [_routing_key(item) for item in media]
+        assignment = plan(self.policy, keys, candidates)
+        return [Part(i, url, items) for i, (url, items) in enumerate(assignment.items())]
+
+    async def run(self, request_id: str, media: list[m.MediaItemMsg], parts: list[Part]) -> None:
+        await asyncio.gather(*(self._run_part(request_id, media, part, len(parts)) for part in parts))
+
+    async def _run_part(
+        self, request_id: str, media: list[m.MediaItemMsg], part: Part, num_parts: int
+    ) -> None:
+        failure = await self._attempt(request_id, media, part, num_parts, part.url)
+        if failure is None:
+            return
+        others = [e for e in self.registry.healthy() if e.url != part.url]
+        if others:
+            self.failovers += 1
+            retry_url = plan(self.policy, [_routing_key(media[i]) for i in part.item_indices[:1]], others)
+            url = next(iter(retry_url))
+            logger.warning(
+                "request %s part %d: %s; retrying on %s", request_id, part.index, failure.message, url
+            )
+            failure = await self._attempt(request_id, media, part, num_parts, url)
+            if failure is None:
+                return
+        if self.engine_has_vision:
+            self.local_fallbacks += 1
+            logger.warning(
+                "request %s part %d: %s; encoding locally", request_id, part.index, failure.message
+            )
+            await self.engine.send(m.LocalEncodeReq(request_id, part.index, num_parts, part.item_indices))
+            return
+        await self.engine.send(m.FailReq(request_id, failure.status, failure.code, failure.message))
+
+    async def _attempt(self, request_id: str, media: list[m.MediaItemMsg], part: Part, num_parts: int,
+                       url: str) -> PartFailure | None:  # fmt: skip
+        """One POST /encode. None when the part is settled (delivered, or a client error the engine reports)."""
+        items = [
+            {"item_index": i, "modality": media[i].modality, "url": media[i].url} for i in part.item_indices
+        ]
+        job = {"request_id": request_id, "part_index": part.index, "num_parts": num_parts,
+               "reply_endpoint": self.embedding_endpoint, "items": items}  # fmt: skip
+        self.registry.acquire(url)
+        try:
+            r = await self.http.post(url + "/encode", json=job)
+        except httpx.TimeoutException:
+            self.registry.record_failure(url)
+            return PartFailure(
+                504, "encoder_timeout", f"encoder {url} did not answer in {self.attempt_timeout_s}s"
+            )
+        except httpx.HTTPError as e:
+            self.registry.record_failure(url)
+            return PartFailure(
+                502, "encoder_unreachable", f"encoder {url} is unreachable: {type(e).__name__}"
+            )
+        finally:
+            self.registry.release(url)
+        if r.status_code == 200:
+            self.registry.record_success(url)
+            return None
+        if 400 <= r.status_code < 500:
+            return None  # bad media: the encoder pushed an error part, the engine ends the request with it
+        if r.status_code == 503:
+            return PartFailure(503, "encoders_overloaded", f"encoder {url} is overloaded")
+        self.registry.record_failure(url)
+        return PartFailure(502, "encoder_error", f"encoder {url} failed with HTTP {r.status_code}")
+
+    async def probe_forever(self) -> None:
+        """Health-probe every known encoder each interval; evict / revive / drop through the registry."""
+        cfg = self.registry.config
+        async with httpx.AsyncClient(timeout=cfg.probe_timeout_s) as http:
+            while True:
+                await asyncio.gather(*(self._probe(http, url) for url in self.registry.urls_to_probe()))
+                for url in self.registry.expire():
+                    logger.warning("encoder %s dropped after being unhealthy for %ss", url, cfg.drop_after_s)
+                await asyncio.sleep(cfg.probe_interval_s)
+
+    async def _probe(self, http: httpx.AsyncClient, url: str) -> None:
+        try:
+            r = await http.get(url + "/health")
+            ok = r.status_code == 200
+        except httpx.HTTPError:
+            ok = False
+        if ok:
+            self.registry.record_success(url, r.json().get("cache"))
+        else:
+            self.registry.record_failure(url)
+
+
+def _routing_key(item: m.MediaItemMsg) -> bytes:
+    if item.data is not None:
+        return MediaRef.from_bytes(item.data).routing_key()
+    try:
+        return MediaRef.parse(item.url or "").routing_key()
+    except Exception:  # a malformed reference still needs a key; its encoder will report the error
+        return (item.url or "").encode()

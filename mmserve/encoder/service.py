@@ -1,0 +1,184 @@
+"""`mmserve encoder`: the vision encoder as an HTTP service that pushes embeddings to engines over ZMQ.
+
+`POST /encode` takes a job (request id, part index and count, items with their media references, the
+engine's embedding endpoint). The handler fetches, hashes, looks items up in the embedding cache, runs the
+misses through the fused-batch tower, pushes the part to the engine, and answers once the part is handed to
+the socket:
+- 200: the part was delivered to the engine's socket.
+- 400/413: bad media. An error part is pushed too, so the engine fails the request at once.
+- 503: too many pending jobs (`--max-pending`); nothing is pushed (the dispatcher retries elsewhere).
+- 500/502: internal failure or engine unreachable; nothing is pushed (the dispatcher retries elsewhere).
+`GET /health` runs a real tiny encode; `GET /metrics` is Prometheus.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import logging
+import time
+from typing import Any
+
+import httpx
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse, Response
+from PIL import Image
+from pydantic import BaseModel, Field
+
+from mmserve.config import EncoderConfig
+from mmserve.encoder.batcher import TowerBatcher
+from mmserve.encoder.metrics import EncoderMetrics
+from mmserve.encoder.runner import BatchedTower, EncodeTimings, MultimodalEncoder
+from mmserve.models.loader import load_hf_config, load_processor, load_vision_tower
+from mmserve.multimodal.cache import EmbeddingCache
+from mmserve.multimodal.errors import MediaError
+from mmserve.multimodal.items import Modality
+from mmserve.multimodal.media import MediaRef
+from mmserve.transport.embedding_wire import EmbeddingItem, PartError, encode_error, encode_part
+from mmserve.transport.zmq_channel import EmbeddingSender, SendTimeout
+
+logger = logging.getLogger("mmserve.encoder")
+
+
+class JobItem(BaseModel):
+    item_index: int = Field(ge=0)
+    modality: Modality
+    url: str | None = None  # http(s) / data: / file://
+    data_b64: str | None = None  # raw bytes, base64
+
+
+class EncodeJob(BaseModel):
+    request_id: str = Field(min_length=1, max_length=256)
+    part_index: int = Field(ge=0)
+    num_parts: int = Field(ge=1)
+    reply_endpoint: str = Field(pattern=r"^(tcp|ipc)://")
+    items: list[JobItem] = Field(min_length=1)
+
+
+class EncoderService:
+    """Owns the tower batcher, the embedding cache, the sender sockets and the job accounting."""
+
+    def __init__(self, cfg: EncoderConfig) -> None:
+        self.cfg = cfg
+        hf_config = load_hf_config(cfg.model)
+        self.processor = load_processor(cfg.model, hf_config, dict(cfg.mm_processor_kwargs))
+        self.batcher = TowerBatcher(load_vision_tower(cfg.model, hf_config, cfg.dtype, cfg.device),
+                                    cfg.max_batch_items, cfg.max_batch_wait_ms)  # fmt: skip
+        self.cache = EmbeddingCache(cfg.embedding_cache_mb)
+        self.encoder = MultimodalEncoder(BatchedTower(self.batcher), self.processor, self.cache, cfg.media)
+        self.sender = EmbeddingSender(cfg.send_timeout_s)
+        self.metrics = EncoderMetrics()
+        self.pending = 0
+
+    def close(self) -> None:
+        self.batcher.close()
+        self.sender.close()
+
+    def run_job(self, job: EncodeJob, queued_at: float) -> tuple[int, dict[str, Any]]:
+        """Encode and push one part (runs on a worker thread). Returns (HTTP status, body)."""
+        self.metrics.queue_wait.observe(time.perf_counter() - queued_at)
+        timings, items = EncodeTimings(), []
+        for it in job.items:
+            ref = MediaRef.from_bytes(base64.b64decode(it.data_b64)) if it.data_b64 is not None else None
+            try:
+                ref = ref or MediaRef.parse(it.url or "")
+                enc = self.encoder.encode(it.modality, ref, timings)
+            except MediaError as e:
+                self.metrics.requests.labels(it.modality.value, str(e.status)).inc()
+                message = f"{it.modality.value} item {it.item_index}: {e}"
+                self._push_error(job, PartError(e.status, e.code, message))
+                return e.status, {"error": {"message": message, "code": e.code}}
+            except Exception as e:  # the dispatcher retries elsewhere: push nothing
+                logger.exception("job %s part %d failed", job.request_id, job.part_index)
+                self.metrics.requests.labels(it.modality.value, "500").inc()
+                return 500, {"error": {"message": f"encoder failure: {e}", "code": "encoder_failed"}}
+            items.append(EmbeddingItem(it.item_index, enc.content_hash, enc.modality.value, enc.grid_thw,
+                                       enc.second_per_grid_t, enc.embedding))  # fmt: skip
+        start = time.perf_counter()
+        try:
+            self.sender.send(job.reply_endpoint, encode_part(job.request_id, job.part_index, job.num_parts,
+                                                             self.cfg.url, items))  # fmt: skip
+        except SendTimeout:
+            return 502, {"error": {"message": f"engine at {job.reply_endpoint} did not take the part",
+                                   "code": "engine_unreachable"}}  # fmt: skip
+        self.metrics.transfer.observe(time.perf_counter() - start)
+        self.metrics.preprocess.observe(timings.fetch_s + timings.preprocess_s)
+        if timings.misses:
+            self.metrics.forward.observe(timings.forward_s)
+        for it in job.items:
+            self.metrics.requests.labels(it.modality.value, "200").inc()
+        return 200, {"items": len(items), "cache_hits": timings.hits, "encoder": self.cfg.url}
+
+    def _push_error(self, job: EncodeJob, error: PartError) -> None:
+        try:
+            self.sender.send(job.reply_endpoint, encode_error(job.request_id, job.part_index, job.num_parts,
+                                                              self.cfg.url, error))  # fmt: skip
+        except SendTimeout:
+            logger.warning("could not push an error part for %s to %s", job.request_id, job.reply_endpoint)
+
+    def health_probe(self) -> None:
+        """A real tiny encode through the batcher (bypassing the cache). Raises on failure."""
+        item = self.processor.process(Modality.IMAGE, Image.new("RGB", (56, 56), (128, 128, 128)))
+        self.batcher.submit(item).result(timeout=30)
+
+    def cache_stats(self) -> dict[str, Any]:
+        s = self.cache.stats
+        return {"queries": s.queries, "hits": s.hits, "evictions": s.evictions, "bytes": self.cache.used_bytes,
+                "entries": len(self.cache)}  # fmt: skip
+
+
+def build_encoder_app(service: EncoderService) -> FastAPI:
+    app = FastAPI(title="mmserve encoder")
+    cfg = service.cfg
+
+    @app.post("/encode")
+    async def encode(job: EncodeJob):
+        if service.pending >= cfg.max_pending:
+            service.metrics.rejected.inc()
+            return JSONResponse({"error": {"message": f"encoder has {service.pending} pending jobs (limit "
+                                                      f"{cfg.max_pending})", "code": "overloaded"}},
+                                status_code=503, headers={"Retry-After": "1"})  # fmt: skip
+        service.pending += 1
+        try:
+            status, body = await asyncio.to_thread(service.run_job, job, time.perf_counter())
+        finally:
+            service.pending -= 1
+        return JSONResponse(body, status_code=status)
+
+    @app.get("/health")
+    async def health():
+        try:
+            await asyncio.wait_for(asyncio.to_thread(service.health_probe), timeout=30)
+        except Exception as e:
+            return JSONResponse({"status": "unhealthy", "reason": str(e)}, status_code=503)
+        return {"status": "ok", "url": cfg.url, "pending": service.pending, "cache": service.cache_stats()}
+
+    @app.get("/metrics")
+    async def metrics():
+        service.metrics.update(service)
+        return Response(service.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    return app
+
+
+async def register_loop(cfg: EncoderConfig, stop: asyncio.Event) -> None:
+    """Register with each language server, then heartbeat so that a restarted server learns about us again.
+
+    The first call is a registration; later calls are heartbeats, which a server ignores for an encoder that
+    was explicitly unregistered there.
+    """
+    registered: set[str] = set()
+    async with httpx.AsyncClient(timeout=5.0) as client:
+        while not stop.is_set():
+            for base in cfg.register_urls:
+                body = {"url": cfg.url, "heartbeat": base in registered}
+                try:
+                    r = await client.post(base.rstrip("/") + "/register_encoder", json=body)
+                    if r.status_code == 200:
+                        registered.add(base)
+                except httpx.HTTPError as e:
+                    logger.info("registration with %s failed: %s", base, e)
+            try:
+                await asyncio.wait_for(stop.wait(), cfg.register_interval_s)
+            except TimeoutError:
+                pass

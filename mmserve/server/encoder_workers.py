@@ -1,0 +1,76 @@
+"""Local encoder worker processes for `mmserve serve --encoder-workers N` (EPD on one machine).
+
+Each worker is a real `mmserve encoder` subprocess on a free loopback port, registered as a static encoder
+and stopped with the server (SIGTERM, then SIGKILL).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import subprocess
+import sys
+
+import httpx
+
+from mmserve.config import EngineConfig
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class EncoderWorkers:
+    def __init__(self, engine_cfg: EngineConfig, count: int, log_level: str) -> None:
+        self.procs: list[subprocess.Popen] = []
+        self.urls: list[str] = []
+        media = engine_cfg.media
+        for _ in range(count):
+            port = _free_port()
+            cmd = [sys.executable, "-m", "mmserve.cli", "encoder", "--model", engine_cfg.model, "--port", str(port),
+                   "--dtype", engine_cfg.dtype, "--device", engine_cfg.device, "--log-level", log_level,
+                   "--embedding-cache-mb", str(engine_cfg.embedding_cache_mb),
+                   "--max-media-mb", str(media.max_media_bytes / 2**20),
+                   "--media-fetch-timeout-s", str(media.fetch_timeout_s)]  # fmt: skip
+            if media.allowed_local_media_path:
+                cmd += ["--allowed-local-media-path", media.allowed_local_media_path]
+            if media.allowed_media_domains:
+                cmd += ["--allowed-media-domains", *media.allowed_media_domains]
+            if media.allow_private_urls:
+                cmd.append("--allow-private-media-urls")
+            if engine_cfg.mm_processor_kwargs:
+                import json
+
+                cmd += ["--mm-processor-kwargs", json.dumps(dict(engine_cfg.mm_processor_kwargs))]
+            self.procs.append(subprocess.Popen(cmd))
+            self.urls.append(f"http://127.0.0.1:{port}")
+
+    async def wait_healthy(self, timeout_s: float) -> None:
+        """Raises RuntimeError if a worker exits or is not healthy in time."""
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        async with httpx.AsyncClient(timeout=2.0) as http:
+            for proc, url in zip(self.procs, self.urls, strict=True):
+                while True:
+                    if proc.poll() is not None:
+                        raise RuntimeError(f"encoder worker {url} exited with code {proc.returncode}")
+                    try:
+                        if (await http.get(url + "/health")).status_code == 200:
+                            break
+                    except httpx.HTTPError:
+                        pass
+                    if asyncio.get_running_loop().time() > deadline:
+                        raise RuntimeError(f"encoder worker {url} not healthy after {timeout_s}s")
+                    await asyncio.sleep(0.2)
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()

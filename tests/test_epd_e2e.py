@@ -1,0 +1,287 @@
+"""EPD end to end: real encoder processes, real servers, parity with HF, caching, faults and failover."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import http.server
+import json
+import threading
+import time
+
+import httpx
+import pytest
+import zmq
+
+from mmserve.models.loader import load_model, load_processor, load_tokenizer
+from mmserve.testing.server_process import free_port, start_encoder, start_server
+from tests.engine_helpers import image_case, reference, video_case
+
+MAX_NEW = 8
+MM_KWARGS = '{"video_min_pixels": 3136, "video_max_pixels": 12544}'
+
+
+@pytest.fixture(scope="module")
+def logs(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("epd-logs"))
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_qwen2_vl):
+    model, tok = load_model(tiny_qwen2_vl), load_tokenizer(tiny_qwen2_vl)
+    proc = load_processor(tiny_qwen2_vl, mm_processor_kwargs=json.loads(MM_KWARGS))
+    return lambda case: tok.decode(
+        reference(model, tok, proc, case, MAX_NEW).token_ids, skip_special_tokens=True
+    )
+
+
+def chat(url: str, case, timeout: float = 60, **extra) -> httpx.Response:
+    body = {"messages": case.messages, "max_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True, **extra}
+    return httpx.post(url + "/v1/chat/completions", json=body, timeout=timeout)
+
+
+def content(r: httpx.Response) -> str:
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["message"]["content"]
+
+
+def encoder_metric(url: str, name: str) -> float:
+    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith(f"mmserve:{name} "):
+            return float(line.split()[1])
+    return 0.0
+
+
+# -- two local encoder workers (spawned by the server) ----------------------------------------------------
+@pytest.fixture(scope="module")
+def epd2(tiny_qwen2_vl, logs):
+    handle = start_server(tiny_qwen2_vl, "--kv-cache-mb", "16", "--encoder-workers", "2",
+                          "--mm-processor-kwargs", MM_KWARGS, log_dir=logs)  # fmt: skip
+    yield handle
+    assert handle.stop() == 0
+
+
+def test_epd_matches_hf_for_images_and_video(epd2, expected):
+    for case in (
+        image_case([1], "Describe."),
+        image_case([2, 3], "Compare."),
+        video_case(4, "What happens?"),
+    ):
+        r = chat(epd2.url, case)
+        assert content(r) == expected(case)
+        assert "127.0.0.1" in r.json()["mmserve"]["encoded_by"]  # computed by an encoder service
+
+
+def test_items_of_one_request_spread_over_encoders(epd2, expected):
+    case = image_case([10, 11, 12, 13], "Four pictures.")
+    r = chat(epd2.url, case)
+    assert content(r) == expected(case)
+    assert len(r.json()["mmserve"]["encoded_by"].split(", ")) == 2
+
+
+def test_cache_affinity_computes_a_repeated_image_once(epd2):
+    encoders = [e["url"] for e in httpx.get(epd2.url + "/encoders", timeout=10).json()["encoders"]]
+    before = sum(encoder_metric(u, "encoder_cache_hits") for u in encoders)
+    case = image_case([20], "Once.")
+    first, second = content(chat(epd2.url, case)), content(chat(epd2.url, image_case([20], "Twice.")))
+    assert first and second
+    assert sum(encoder_metric(u, "encoder_cache_hits") for u in encoders) == before + 1
+
+
+def test_64_concurrent_requests_across_two_encoders(epd2):
+    cases = [image_case([100 + i % 16], f"Question {i % 16}.") for i in range(64)]
+    with concurrent.futures.ThreadPoolExecutor(max_workers=64) as pool:
+        outs = list(pool.map(lambda c: chat(epd2.url, c, timeout=240), cases, timeout=300))
+    assert all(o.status_code == 200 for o in outs), [o.text for o in outs if o.status_code != 200][:3]
+    bodies = [o.json() for o in outs]
+    assert len({b["id"] for b in bodies}) == 64  # none duplicated
+    for i in range(16, 64):  # identical requests, identical greedy answers: none mixed up
+        assert (
+            bodies[i]["choices"][0]["message"]["content"]
+            == bodies[i % 16]["choices"][0]["message"]["content"]
+        )
+    assert httpx.get(epd2.url + "/health", timeout=10).status_code == 200
+
+
+def test_malformed_and_unknown_parts_are_dropped_and_counted(epd2):
+    endpoint = httpx.get(epd2.url + "/encoders", timeout=10).json()["embedding_endpoint"]
+    from mmserve.transport.embedding_wire import EmbeddingItem, encode_part
+
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.PUSH)
+    sock.setsockopt(zmq.LINGER, 1000)
+    sock.connect(endpoint)
+    import torch
+
+    item = EmbeddingItem(0, bytes(16), "image", (1, 2, 2), 1.0, torch.zeros(1, 64))
+    sock.send_multipart([b"not msgpack", b""])
+    sock.send_multipart(encode_part("no-such-request", 0, 1, "forger", [item]))
+    sock.close()
+    ctx.term()
+
+    def dropped():
+        for line in httpx.get(epd2.url + "/metrics", timeout=10).text.splitlines():
+            if line.startswith("mmserve:embedding_parts_dropped{"):
+                return float(line.rsplit(" ", 1)[1])
+        return 0.0
+
+    deadline = time.monotonic() + 20  # an unknown request's part waits out the early-arrival TTL (5 s)
+    while dropped() < 2:
+        assert time.monotonic() < deadline, "bad parts were not counted"
+        time.sleep(0.5)
+    assert content(chat(epd2.url, image_case([30], "Still fine?")))
+
+
+# -- round robin over two standalone encoders --------------------------------------------------------------
+def test_round_robin_computes_a_repeated_image_twice(tiny_qwen2_vl, logs):
+    encs = [start_encoder(tiny_qwen2_vl, log_dir=logs) for _ in range(2)]
+    server = start_server(tiny_qwen2_vl, "--kv-cache-mb", "16", "--encoder-urls", *[e.url for e in encs],
+                          "--encoder-routing", "round_robin", log_dir=logs)  # fmt: skip
+    try:
+        for text in ("One.", "Two."):
+            assert content(chat(server.url, image_case([40], text)))
+        assert sum(encoder_metric(e.url, "encoder_cache_hits") for e in encs) == 0
+        assert sum(encoder_metric(e.url, "encoder_cache_queries") for e in encs) == 2
+    finally:
+        assert server.stop() == 0
+        for e in encs:
+            e.stop()
+
+
+# -- language-only: no vision weights, encoder faults ----------------------------------------------------
+class FakeEncoder:
+    """A loopback HTTP encoder that is healthy but hangs (or answers 503) on /encode."""
+
+    def __init__(self, mode: str) -> None:
+        handler = self._handler(mode)
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.calls = 0
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def _handler(self, mode: str):
+        fake = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def do_GET(self):
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.end_headers()
+                self.wfile.write(b'{"status": "ok", "cache": {}}')
+
+            def do_POST(self):
+                fake.calls += 1
+                self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                if mode == "hang":
+                    time.sleep(8)  # past the dispatcher's attempt timeout; bounded so the thread ends
+                self.send_response(503)
+                self.end_headers()
+
+        return Handler
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.mark.parametrize("mode", ["hang", "503"])
+def test_faulty_encoder_fails_over_to_a_healthy_one(tiny_qwen2_vl, expected, logs, mode):
+    fake = FakeEncoder(mode)
+    real = start_encoder(tiny_qwen2_vl, "--mm-processor-kwargs", MM_KWARGS, log_dir=logs)
+    server = start_server(tiny_qwen2_vl, "--kv-cache-mb", "16", "--language-only", "--encode-timeout-s", "9",
+                          "--encoder-urls", fake.url, real.url, "--encoder-routing", "round_robin",
+                          "--mm-processor-kwargs", MM_KWARGS, log_dir=logs)  # fmt: skip
+    try:
+        start = time.monotonic()
+        for seed in (50, 51):  # round robin: one of the two goes to the faulty encoder first
+            case = image_case([seed], "Fail over.")
+            assert content(chat(server.url, case)) == expected(case)
+        assert fake.calls >= 1 and time.monotonic() - start < 20
+        assert httpx.get(server.url + "/encoders", timeout=10).json()["failovers"] >= 1
+    finally:
+        assert server.stop() == 0
+        real.stop()
+        fake.close()
+
+
+def test_language_only_with_killed_encoder_gets_a_clear_error(tiny_qwen2_vl, expected, logs):
+    enc = start_encoder(tiny_qwen2_vl, log_dir=logs)
+    server = start_server(tiny_qwen2_vl, "--kv-cache-mb", "16", "--language-only", "--encode-timeout-s", "6",
+                          "--encoder-urls", enc.url, log_dir=logs)  # fmt: skip
+    try:
+        case = image_case([60], "Hello.")
+        assert content(chat(server.url, case)) == expected(case)
+        enc.proc.kill()  # SIGKILL
+        enc.proc.wait(10)
+        start = time.monotonic()
+        r = chat(server.url, image_case([61], "Anyone?"))
+        assert r.status_code in (502, 503, 504), r.text
+        assert "encoder" in r.json()["error"]["message"]
+        assert time.monotonic() - start < 10
+        # text-only requests still work, and the server stays healthy
+        assert httpx.post(server.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2},
+                          timeout=30).status_code == 200  # fmt: skip
+    finally:
+        assert server.stop() == 0
+        enc.stop()
+
+
+def test_no_encoder_and_no_vision_weights_is_503(tiny_qwen2_vl, logs):
+    server = start_server(tiny_qwen2_vl, "--kv-cache-mb", "16", "--language-only", log_dir=logs)
+    try:
+        r = chat(server.url, image_case([70], "Hello."))
+        assert r.status_code == 503 and "encoder" in r.json()["error"]["message"]
+    finally:
+        assert server.stop() == 0
+
+
+def test_killed_encoders_fall_back_to_local_encoding(tiny_qwen2_vl, expected, logs):
+    enc = start_encoder(tiny_qwen2_vl, log_dir=logs)
+    server = start_server(tiny_qwen2_vl, "--kv-cache-mb", "16", "--encoder-urls", enc.url, log_dir=logs)
+    try:
+        enc.proc.kill()
+        enc.proc.wait(10)
+        case = image_case([80], "Local please.")
+        r = chat(server.url, case)
+        assert content(r) == expected(case)
+        assert "local" in r.json()["mmserve"]["encoded_by"]
+    finally:
+        assert server.stop() == 0
+
+
+def test_registration_unregistration_and_server_restart(tiny_qwen2_vl, expected, logs):
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    enc = start_encoder(tiny_qwen2_vl, "--register-url", url, "--register-interval-s", "0.5", log_dir=logs)
+
+    def registered(server) -> list[str]:
+        return [e["url"] for e in httpx.get(server.url + "/encoders", timeout=10).json()["encoders"]]
+
+    def wait_for(predicate, what: str, timeout_s: float = 20) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not predicate():
+            assert time.monotonic() < deadline, what
+            time.sleep(0.2)
+
+    server = start_server(tiny_qwen2_vl, "--kv-cache-mb", "16", "--language-only", port=port, log_dir=logs)
+    try:
+        wait_for(lambda: registered(server) == [enc.url], "encoder did not register")
+        case = image_case([90], "Registered?")
+        assert content(chat(server.url, case)) == expected(case)
+        assert httpx.post(url + "/unregister_encoder", json={"url": enc.url}, timeout=10).status_code == 200
+        time.sleep(1.5)  # several heartbeats: an explicit unregister is never revived by them
+        assert registered(server) == []
+        assert chat(server.url, image_case([91], "Now?")).status_code == 503
+        assert httpx.post(url + "/register_encoder", json={"url": enc.url}, timeout=10).status_code == 200
+        assert registered(server) == [enc.url]
+        assert server.stop() == 0
+        server = start_server(
+            tiny_qwen2_vl, "--kv-cache-mb", "16", "--language-only", port=port, log_dir=logs
+        )
+        wait_for(lambda: registered(server) == [enc.url], "encoder did not re-register after the restart")
+        assert content(chat(server.url, case)) == expected(case)
+    finally:
+        assert server.stop() == 0
+        enc.stop()
