@@ -1,6 +1,7 @@
 """`mmserve demo` (`make demo`): the whole stack on the embedded tiny model, through the official client.
 
-Builds the tiny checkpoint if it is missing, starts `mmserve serve` on a free loopback port, sends chat
+Builds the tiny checkpoint if it is missing, starts `mmserve serve --encoder-workers 1` (API server, engine
+process and one encoder process) on a free loopback port, sends chat
 requests with generated images through the `openai` client (one of them streamed, one repeating an image so
 the caches show), prints each answer with where its time went, and shuts the server down.
 """
@@ -51,9 +52,9 @@ def run_demo(model_dir: str = DEFAULT_MODEL_DIR, max_tokens: int = 16) -> bool:
     red = shape_image((220, 40, 40), (20, 12, 60, 50))
     green = shape_image((40, 200, 60), (50, 8, 90, 40))
     with tempfile.TemporaryDirectory() as logs:
-        server = start_server(
-            model_dir, "--kv-cache-mb", "64", log_dir=logs, served_model_name="tiny-qwen2-vl"
-        )
+        # EPD on one machine: the server spawns one encoder process; embeddings travel to the engine over ZMQ.
+        server = start_server(model_dir, "--kv-cache-mb", "64", "--encoder-workers", "1", log_dir=logs,
+                              served_model_name="tiny-qwen2-vl")  # fmt: skip
         print(f"server up at {server.url} in {time.perf_counter() - start:.1f}s (model {model_dir})")
         print(
             "(the tiny model has random weights: its text is noise; the demo shows the path and the timings)"

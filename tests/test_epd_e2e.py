@@ -285,3 +285,23 @@ def test_registration_unregistration_and_server_restart(tiny_qwen2_vl, expected,
     finally:
         assert server.stop() == 0
         enc.stop()
+
+
+def test_four_encoders_in_bfloat16_match_hf_bfloat16(tiny_qwen2_vl, logs):
+    import torch
+
+    model = load_model(tiny_qwen2_vl, dtype=torch.bfloat16)
+    tok = load_tokenizer(tiny_qwen2_vl)
+    proc = load_processor(tiny_qwen2_vl, mm_processor_kwargs=json.loads(MM_KWARGS))
+    server = start_server(tiny_qwen2_vl, "--kv-cache-mb", "16", "--dtype", "bfloat16", "--encoder-workers", "4",
+                          "--encoder-routing", "round_robin", "--mm-processor-kwargs", MM_KWARGS, log_dir=logs)  # fmt: skip
+    try:
+        for case in (image_case([120, 121, 122, 123], "Four, in bf16."), video_case(124, "A bf16 video.")):
+            ref = tok.decode(reference(model, tok, proc, case, MAX_NEW).token_ids, skip_special_tokens=True)
+            r = chat(server.url, case)
+            assert content(r) == ref
+        assert len(r.json()["mmserve"]["encoded_by"].split(", ")) == 1  # the video: one item, one encoder
+        four = chat(server.url, image_case([125, 126, 127, 128], "Spread."))
+        assert len(four.json()["mmserve"]["encoded_by"].split(", ")) == 4  # round robin: one item each
+    finally:
+        assert server.stop() == 0

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import gc
 import time
+import warnings
 from collections.abc import Iterator
 
 import msgspec
@@ -10,6 +12,7 @@ import pytest
 import torch
 
 from mmserve.transport.embedding_wire import (
+    ITEM_ALIGN,
     WIRE_VERSION,
     EmbeddingItem,
     PartError,
@@ -70,9 +73,10 @@ def test_round_trip_bit_exact(dtype: torch.dtype) -> None:
     got.embedding.add_(1)  # decoded tensors own writable memory
 
 
-def test_multiple_items_mixed_shapes_and_dtypes() -> None:
+@pytest.mark.parametrize("copy", [True, False], ids=["copy", "view"])
+def test_multiple_items_mixed_shapes_and_dtypes(copy: bool) -> None:
     embs = [
-        torch.randn(3, 5, dtype=torch.float16),  # odd byte count: later items start unaligned
+        torch.randn(3, 5, dtype=torch.float16),  # odd byte count: the next item needs padding to align
         torch.randn(7, 16),
         torch.randn(0, 16).bfloat16(),
         torch.randn(4, 6).bfloat16().t(),  # non-contiguous input
@@ -81,13 +85,53 @@ def test_multiple_items_mixed_shapes_and_dtypes() -> None:
         _item(i, e, modality)
         for i, (e, modality) in enumerate(zip(embs, ["image", "video", "audio", "image"], strict=True))
     ]
-    header, got = decode_part(encode_part("req-2", 1, 3, "http://enc:8000", items))
+    header, got = decode_part(encode_part("req-2", 1, 3, "http://enc:8000", items), copy=copy)
     assert (header.part_index, header.num_parts, header.encoder) == (1, 3, "http://enc:8000")
     assert [it.item_index for it in got] == [0, 1, 2, 3]
     assert [it.modality for it in got] == ["image", "video", "audio", "image"]
     for want, have in zip(embs, got, strict=True):
         assert have.embedding.shape == want.shape and _bits_equal(have.embedding, want.contiguous())
         assert have.embedding.is_contiguous()
+        assert have.embedding.data_ptr() % have.embedding.element_size() == 0
+    assert all(ih.offset % ITEM_ALIGN == 0 for ih in header.items)
+
+
+def test_padding_between_items_is_zero() -> None:
+    items = [_item(0, torch.randn(3, 5, dtype=torch.float16)), _item(1, torch.randn(2, 3))]
+    header_frame, payload = encode_part("r", 0, 1, "local", items)
+    first, second = msgspec.msgpack.decode(header_frame)["items"]
+    assert (first["offset"], second["offset"]) == (0, ITEM_ALIGN)
+    assert bytes(payload)[first["nbytes"] : ITEM_ALIGN] == b"\0" * (ITEM_ALIGN - first["nbytes"])
+    assert len(payload) == ITEM_ALIGN + second["nbytes"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_view_decode_of_misaligned_item_copies(dtype: torch.dtype) -> None:
+    emb = _special_values(dtype)
+    frames = encode_part("r", 0, 1, "local", [_item(0, emb)])
+    payload = bytearray(b"\0" + bytes(frames[1]))  # unpadded producers may put an item at any offset
+    _, (got,) = decode_part(_tamper_item([frames[0], payload], offset=1), copy=False)
+    assert got.embedding.data_ptr() % got.embedding.element_size() == 0 and _bits_equal(got.embedding, emb)
+
+
+def test_view_decode_shares_the_payload_and_keeps_it_alive() -> None:
+    embs = [torch.randn(4, 8), torch.randn(5, 8).bfloat16()]
+    frames = encode_part("r", 0, 1, "local", [_item(i, e) for i, e in enumerate(embs)])
+    payload = bytes(frames[1])  # immutable, so viewing it in place is safe
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the read-only-buffer warning from torch.frombuffer is expected quiet
+        header, got = decode_part([frames[0], payload], copy=False)
+    # Both items view one buffer: their addresses differ by exactly their offsets.
+    assert got[1].embedding.data_ptr() - got[0].embedding.data_ptr() == header.items[1].offset
+    del frames, payload
+    gc.collect()
+    assert all(_bits_equal(have.embedding, want) for have, want in zip(got, embs, strict=True))
+
+
+def test_empty_item_view_decode() -> None:
+    emb = torch.randn(0, 16).bfloat16()
+    _, (got,) = decode_part(encode_part("r", 0, 1, "local", [_item(0, emb)]), copy=False)
+    assert got.embedding.shape == (0, 16) and got.embedding.dtype == torch.bfloat16
 
 
 def test_decoded_tensor_outlives_frame_buffer() -> None:
@@ -177,6 +221,45 @@ def test_part_arrives_intact_and_socket_is_reused(
         header, (item,) = got
         assert header.part_index == part and _bits_equal(item.embedding, embs[part])
     assert receiver.recv_part(0.05) is None
+
+
+def _send_and_receive(
+    rx: EmbeddingReceiver, tx: EmbeddingSender, embs: list[torch.Tensor]
+) -> list[EmbeddingItem]:
+    tx.send(rx.endpoint, encode_part("req", 0, 1, "local", [_item(i, e) for i, e in enumerate(embs)]))
+    got = rx.recv_part(RECV_TIMEOUT_S)
+    assert got is not None
+    return got[1]
+
+
+def test_received_views_survive_later_messages(receiver: EmbeddingReceiver, sender: EmbeddingSender) -> None:
+    # A small part is received into ZMQ's shared receive arena, a large one into its own buffer: neither
+    # may be reused while a decoded view still points into it.
+    parts = [
+        [torch.randn(3, 8), torch.randn(2, 5, dtype=torch.float16)],
+        [torch.randn(600, 64).bfloat16(), torch.randn(300, 64)],
+    ]
+    kept = [[e.clone() for e in embs] for embs in parts]
+    received = [_send_and_receive(receiver, sender, embs) for embs in parts]
+    for n in range(20):  # same sizes, other contents: a reused buffer would show up as changed values
+        for embs in parts:
+            _send_and_receive(receiver, sender, [torch.full_like(e, float(n + 1)) for e in embs])
+    gc.collect()
+    receiver.close()  # also terminates its context; the views hold their frames, not the socket
+    for got, want in zip(received, kept, strict=True):
+        assert all(_bits_equal(have.embedding, w) for have, w in zip(got, want, strict=True))
+
+
+def test_recv_part_copy_gives_writable_owned_tensors(
+    receiver: EmbeddingReceiver, sender: EmbeddingSender
+) -> None:
+    emb = torch.randn(64, 32)
+    sender.send(receiver.endpoint, encode_part("req", 0, 1, "local", [_item(0, emb)]))
+    got = receiver.recv_part(RECV_TIMEOUT_S, copy=True)
+    assert got is not None
+    (item,) = got[1]
+    item.embedding.add_(1)
+    assert torch.equal(item.embedding, emb + 1)
 
 
 def test_malformed_message_then_good_one(receiver: EmbeddingReceiver, sender: EmbeddingSender) -> None:

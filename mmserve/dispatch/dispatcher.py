@@ -66,38 +66,42 @@ class Dispatcher:
         assignment = plan(self.policy, keys, candidates)
         return [Part(i, url, items) for i, (url, items) in enumerate(assignment.items())]
 
-    async def run(self, request_id: str, media: list[m.MediaItemMsg], parts: list[Part]) -> None:
-        await asyncio.gather(*(self._run_part(request_id, media, part, len(parts)) for part in parts))
+    async def run(self, request_id: str, media: list[m.MediaItemMsg], parts: list[Part]) -> int:
+        """Settle every part; returns how many items the encoders found in their caches."""
+        hits = await asyncio.gather(*(self._run_part(request_id, media, part, len(parts)) for part in parts))
+        return sum(hits)
 
     async def _run_part(
         self, request_id: str, media: list[m.MediaItemMsg], part: Part, num_parts: int
-    ) -> None:
-        failure = await self._attempt(request_id, media, part, num_parts, part.url)
-        if failure is None:
-            return
+    ) -> int:
+        outcome = await self._attempt(request_id, media, part, num_parts, part.url)
+        if isinstance(outcome, int):
+            return outcome
         others = [e for e in self.registry.healthy() if e.url != part.url]
         if others:
             self.failovers += 1
-            retry_url = plan(self.policy, [_routing_key(media[i]) for i in part.item_indices[:1]], others)
-            url = next(iter(retry_url))
+            retry = plan(self.policy, [_routing_key(media[i]) for i in part.item_indices[:1]], others)
+            url = next(iter(retry))
             logger.warning(
-                "request %s part %d: %s; retrying on %s", request_id, part.index, failure.message, url
+                "request %s part %d: %s; retrying on %s", request_id, part.index, outcome.message, url
             )
-            failure = await self._attempt(request_id, media, part, num_parts, url)
-            if failure is None:
-                return
+            outcome = await self._attempt(request_id, media, part, num_parts, url)
+            if isinstance(outcome, int):
+                return outcome
         if self.engine_has_vision:
             self.local_fallbacks += 1
             logger.warning(
-                "request %s part %d: %s; encoding locally", request_id, part.index, failure.message
+                "request %s part %d: %s; encoding locally", request_id, part.index, outcome.message
             )
             await self.engine.send(m.LocalEncodeReq(request_id, part.index, num_parts, part.item_indices))
-            return
-        await self.engine.send(m.FailReq(request_id, failure.status, failure.code, failure.message))
+        else:
+            await self.engine.send(m.FailReq(request_id, outcome.status, outcome.code, outcome.message))
+        return 0
 
     async def _attempt(self, request_id: str, media: list[m.MediaItemMsg], part: Part, num_parts: int,
-                       url: str) -> PartFailure | None:  # fmt: skip
-        """One POST /encode. None when the part is settled (delivered, or a client error the engine reports)."""
+                       url: str) -> PartFailure | int:  # fmt: skip
+        """One POST /encode. An int (cache hits) when the part is settled (delivered, or a client error the
+        engine reports), else why it failed."""
         items = [
             {"item_index": i, "modality": media[i].modality, "url": media[i].url} for i in part.item_indices
         ]
@@ -120,9 +124,9 @@ class Dispatcher:
             self.registry.release(url)
         if r.status_code == 200:
             self.registry.record_success(url)
-            return None
+            return int(r.json().get("cache_hits", 0))
         if 400 <= r.status_code < 500:
-            return None  # bad media: the encoder pushed an error part, the engine ends the request with it
+            return 0  # bad media: the encoder pushed an error part, the engine ends the request with it
         if r.status_code == 503:
             return PartFailure(503, "encoders_overloaded", f"encoder {url} is overloaded")
         self.registry.record_failure(url)

@@ -19,6 +19,8 @@ from mmserve.server.metrics import ServerMetrics
 from mmserve.server.protocol import APIError
 from mmserve.transport import messages as m
 
+DISPATCH_REPORT_WAIT_S = 2.0
+
 
 @dataclass
 class Timings:
@@ -82,6 +84,13 @@ class Generation:
         self.prompt_tokens = first.prompt_tokens
         self.mm_items, self.mm_cache_hits = first.mm_items, first.mm_cache_hits
         self.encoded_by = list(first.encoded_by)
+        if parts:  # the parts are in, so the encoders' answers follow at once: collect their cache hits
+            try:
+                self.mm_cache_hits = await asyncio.wait_for(
+                    asyncio.shield(self._dispatch), DISPATCH_REPORT_WAIT_S
+                )
+            except TimeoutError:
+                pass
         self.timings.encode_s = first.encode_s
         self.metrics.encode_time.observe(first.encode_s)
 

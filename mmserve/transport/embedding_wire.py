@@ -3,8 +3,10 @@
 A part is always exactly two frames, ``[header, payload]``:
 
 * ``header``: a msgpack-encoded :class:`PartHeader` (msgspec Struct, never pickle).
-* ``payload``: the raw bytes of every item's embedding, concatenated in item order; each
-  :class:`ItemHeader` gives its ``offset``/``nbytes`` within it. Error parts carry an empty payload.
+* ``payload``: the raw bytes of every item's embedding in item order; each :class:`ItemHeader` gives its
+  ``offset``/``nbytes`` within it. Error parts carry an empty payload. ``encode_part`` starts every item
+  at a multiple of :data:`ITEM_ALIGN` bytes (zero-filled gaps), so a receiver can view items in place;
+  ``decode_part`` accepts any non-overlapping in-bounds offsets, padded or not.
 
 Tensors travel as their raw bytes (a uint8 view, so bf16 needs no numpy dtype), which makes round trips
 bit-exact, NaN payloads and signed zeros included.
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -26,6 +29,8 @@ import zmq
 WIRE_VERSION = 1
 NUM_FRAMES = 2
 HASH_BYTES = 16
+# Item offsets in an encoded payload are multiples of this (a cache line; covers every dtype's alignment).
+ITEM_ALIGN = 64
 
 _DTYPES = MappingProxyType({"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16})
 _DTYPE_NAMES = MappingProxyType({dtype: name for name, dtype in _DTYPES.items()})
@@ -124,27 +129,41 @@ def _item_header(item: EmbeddingItem, offset: int, nbytes: int) -> ItemHeader:
     )
 
 
+def _align_up(n: int) -> int:
+    return -(-n // ITEM_ALIGN) * ITEM_ALIGN
+
+
 def encode_part(
     request_id: str, part_index: int, num_parts: int, encoder: str, items: list[EmbeddingItem]
 ) -> list[bytes | memoryview]:
     """Encode a part as ``[header, payload]`` frames; mutates nothing.
 
     A single item of a contiguous CPU tensor is sent zero-copy: the payload frame aliases the caller's
-    tensor memory, and ZMQ may still read it after ``send`` returns, so embeddings must not be modified
-    in place once handed over. Several items are gathered into one fresh buffer (one copy).
+    tensor memory, and ZMQ may still read it after ``send`` returns (and an ``inproc://`` receiver may
+    view it in place), so embeddings must not be modified in place once handed over. Several items are
+    gathered into one fresh buffer (one copy), each starting at a multiple of :data:`ITEM_ALIGN` bytes.
     """
     for item in items:
         _check_item(item)
     flats = [_flat_bytes(item.embedding) for item in items]
     headers: list[ItemHeader] = []
-    offset = 0
+    end = 0
     for item, flat in zip(items, flats, strict=True):
+        offset = _align_up(end)
         headers.append(_item_header(item, offset, flat.numel()))
-        offset += flat.numel()
+        end = offset + flat.numel()
     if not flats:
         payload: bytes | memoryview = b""
     else:
-        buf = flats[0] if len(flats) == 1 else torch.cat(flats)
+        if len(flats) == 1:
+            buf = flats[0]
+        else:
+            buf = torch.empty(end, dtype=torch.uint8)
+            pos = 0
+            for ih, flat in zip(headers, flats, strict=True):
+                buf[pos : ih.offset].zero_()  # padding: never leak stale process memory onto the wire
+                buf[ih.offset : ih.offset + ih.nbytes].copy_(flat)
+                pos = ih.offset + ih.nbytes
         payload = memoryview(buf.numpy())  # keeps the tensor alive for as long as ZMQ holds the frame
     return [_header_bytes(request_id, part_index, num_parts, encoder, headers, None), payload]
 
@@ -223,17 +242,56 @@ def _copy_out(payload: memoryview, item: ItemHeader) -> torch.Tensor:
     return out.view(_DTYPES[item.dtype]).view(item.shape)
 
 
-def decode_part(frames: Sequence[bytes | memoryview | zmq.Frame]) -> tuple[PartHeader, list[EmbeddingItem]]:
+def _view_or_copy(payload: memoryview, item: ItemHeader) -> torch.Tensor:
+    """A tensor viewing the item's bytes in ``payload`` in place, or a copy where they are misaligned.
+
+    The view's storage holds a reference to ``payload`` (and through it to the frame that exports it), so
+    the frame's memory lives as long as any tensor viewing it.
+    """
+    dtype = _DTYPES[item.dtype]
+    if not item.nbytes:  # frombuffer rejects empty ranges; nothing to share anyway
+        return torch.empty(item.shape, dtype=dtype)
+    view = torch.frombuffer(payload, dtype=dtype, count=item.nbytes // dtype.itemsize, offset=item.offset)
+    # frombuffer does not check alignment; misaligned elements are undefined behaviour for torch kernels.
+    if view.data_ptr() % dtype.itemsize:
+        return _copy_out(payload, item)
+    return view.view(item.shape)
+
+
+def _views(payload: memoryview, items: list[ItemHeader]) -> list[torch.Tensor]:
+    if not payload.readonly:
+        return [_view_or_copy(payload, ih) for ih in items]
+    with warnings.catch_warnings():
+        # Read-only buffers (bytes; zmq.Frame before pyzmq 26) make frombuffer warn that the tensor is
+        # writable anyway; decode_part documents its views as read-only, so the warning adds nothing.
+        warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
+        return [_view_or_copy(payload, ih) for ih in items]
+
+
+def decode_part(
+    frames: Sequence[bytes | memoryview | zmq.Frame], *, copy: bool = True
+) -> tuple[PartHeader, list[EmbeddingItem]]:
     """Validate and decode a part; raises :class:`WireError` on anything malformed.
 
-    Each embedding is copied out of the payload once, so the returned tensors own their memory: they
-    outlive the frames, are writable, and are correctly aligned whatever the payload offsets.
+    With ``copy=True`` each embedding is copied out of the payload once, so the returned tensors own their
+    memory: they outlive the frames, are writable, and are correctly aligned whatever the payload offsets.
+
+    With ``copy=False`` each embedding is, where its bytes are aligned for its dtype, a view over the
+    payload frame's memory (no copy; otherwise it falls back to a copy). The views keep the whole payload
+    frame alive for as long as any of them lives, and must be treated as read-only: they share memory
+    with the frame, which for ``inproc://`` is the sender's own tensor. The payload must not be modified
+    afterwards either, so pass only buffers nobody else writes to, such as received ``zmq.Frame`` objects
+    (ZMQ never reuses a delivered message's memory) or ``bytes``.
     """
     if len(frames) != NUM_FRAMES:
         raise WireError(f"expected {NUM_FRAMES} frames, got {len(frames)}")
     header = _decode_header(_frame_buffer(frames[0]))
     payload = _frame_buffer(frames[1])
     _check_header(header, len(payload))
+    if copy:
+        embeddings = [_copy_out(payload, ih) for ih in header.items]
+    else:
+        embeddings = _views(payload, header.items)
     items = [
         EmbeddingItem(
             item_index=ih.item_index,
@@ -241,8 +299,8 @@ def decode_part(frames: Sequence[bytes | memoryview | zmq.Frame]) -> tuple[PartH
             modality=ih.modality,
             grid_thw=ih.grid_thw,
             second_per_grid_t=ih.second_per_grid_t,
-            embedding=_copy_out(payload, ih),
+            embedding=embedding,
         )
-        for ih in header.items
+        for ih, embedding in zip(header.items, embeddings, strict=True)
     ]
     return header, items

@@ -140,12 +140,16 @@ class EmbeddingReceiver:
             raise
         self.endpoint: str = self.socket.getsockopt_string(zmq.LAST_ENDPOINT)
 
-    def recv_part(self, timeout_s: float) -> tuple[PartHeader, list[EmbeddingItem]] | None:
+    def recv_part(
+        self, timeout_s: float, *, copy: bool = False
+    ) -> tuple[PartHeader, list[EmbeddingItem]] | None:
         """Receive and decode one part; ``None`` if nothing arrives within ``timeout_s``.
 
         Raises ``WireError`` for a malformed message. The whole multipart message is consumed before
         decoding (ZMQ delivers multipart messages atomically), so the next call starts at a message
-        boundary. Returned tensors own their memory (see ``decode_part``).
+        boundary. By default the returned tensors are read-only views over the received frame, which they
+        keep alive; ZMQ never reuses a delivered message's memory, so later receives cannot change them.
+        Pass ``copy=True`` for tensors that own writable memory (see ``decode_part``).
         """
         if not self.socket.poll(max(0, math.ceil(timeout_s * 1000)), zmq.POLLIN):
             return None
@@ -153,7 +157,7 @@ class EmbeddingReceiver:
             frames = self.socket.recv_multipart(zmq.NOBLOCK, copy=False)
         except zmq.Again:
             return None
-        return decode_part(frames)
+        return decode_part(frames, copy=copy)
 
     def close(self) -> None:
         """Close the socket, dropping anything unread, and the context if owned."""
