@@ -1,7 +1,9 @@
 """Loopback throughput of the embedding transport against raw ZMQ and a memcpy, for ``mmserve bench``.
 
 Not a test: figures depend on the machine. All three are measured in one process and one run so they
-are comparable; each is the median over ``repeats`` transfers after one warm-up transfer.
+are comparable, in interleaved rounds whose order alternates, so that drift in machine load (a few noisy
+cores) hits all three alike; each figure is the median over every round's transfers, each round's
+warm-up transfer excluded.
 """
 
 from __future__ import annotations
@@ -93,23 +95,28 @@ def _memcpy_times(emb: torch.Tensor, repeats: int) -> list[float]:
     return times[1:]
 
 
-def measure(size_mb: float, repeats: int = 5) -> dict[str, float]:
+def measure(size_mb: float, repeats: int = 5, rounds: int = 3) -> dict[str, float]:
     """GB/s (1e9 bytes/s) moving a float32 (tokens, 4096) tensor of ``size_mb`` MiB over loopback.
 
     Keys: ``embedding`` (encode_part -> EmbeddingSender.send -> EmbeddingReceiver.recv_part -> tensor),
-    ``zmq_raw`` (one copy=False frame, PUSH/PULL over tcp://127.0.0.1), ``memcpy`` (torch clone).
-    Owns and closes a private ZMQ context; mutates nothing else.
+    ``zmq_raw`` (one copy=False frame, PUSH/PULL over tcp://127.0.0.1), ``memcpy`` (torch clone). Each is
+    the median of ``rounds`` x ``repeats`` timed transfers. Owns and closes a private ZMQ context; mutates
+    nothing else.
     """
     num_tokens = max(1, round(size_mb * 2**20 / (HIDDEN * 4)))
     emb = torch.randn(num_tokens, HIDDEN, dtype=torch.float32)
     nbytes = emb.numel() * emb.element_size()
     ctx = zmq.Context()
+    runs: dict[str, Callable[[], list[float]]] = {
+        "embedding": lambda: _embedding_times(ctx, emb, repeats),
+        "zmq_raw": lambda: _raw_zmq_times(ctx, emb, repeats),
+        "memcpy": lambda: _memcpy_times(emb, repeats),
+    }
+    times: dict[str, list[float]] = {name: [] for name in runs}
     try:
-        times = {
-            "embedding": _embedding_times(ctx, emb, repeats),
-            "zmq_raw": _raw_zmq_times(ctx, emb, repeats),
-            "memcpy": _memcpy_times(emb, repeats),
-        }
+        for r in range(rounds):
+            for name in list(runs) if r % 2 == 0 else reversed(list(runs)):
+                times[name] += runs[name]()
     finally:
         ctx.term()
     return {name: nbytes / statistics.median(ts) / 1e9 for name, ts in times.items()}

@@ -1,0 +1,74 @@
+"""`mmserve bench epd`: TTFT of EPD vs monolithic on one light request, side by side in one run.
+
+Launches the configurations as real servers (`mmserve serve ...` subprocesses on loopback), then sends
+the same workload to each in alternation: one request at a time, one freshly generated image per request
+(so no cache hit), a short prompt and one output token; TTFT is measured by the client as the time to the
+first streamed content chunk. Reports the median per configuration and the ratio to the first.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import statistics
+import tempfile
+import time
+
+import httpx
+
+from mmserve.bench.engine_bench import make_image
+from mmserve.testing.server_process import start_server
+
+
+def _uri(seed: int, size: tuple[int, int]) -> str:
+    buf = io.BytesIO()
+    make_image(seed, size).save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def ttft(url: str, image_uri: str, timeout_s: float = 300.0) -> float:
+    body = {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": image_uri}},
+                                                      {"type": "text", "text": "What is this?"}]}],
+            "max_tokens": 2, "temperature": 0, "stream": True, "ignore_eos": True}  # fmt: skip
+    start = time.perf_counter()
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=timeout_s) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if line.startswith("data: ") and '"content": ""' not in line and "[DONE]" not in line:
+                return time.perf_counter() - start
+    raise RuntimeError("stream ended without content")
+
+
+def run(model_dir: str, configs: dict[str, list[str]], rounds: int, image_size: tuple[int, int],
+        warmup: int = 2) -> dict[str, list[float]]:  # fmt: skip
+    results: dict[str, list[float]] = {name: [] for name in configs}
+    with tempfile.TemporaryDirectory() as logs:
+        servers = {
+            name: start_server(model_dir, *flags, log_dir=logs, timeout_s=600)
+            for name, flags in configs.items()
+        }
+        try:
+            seed = 10_000
+            for r in range(warmup + rounds):
+                for name, server in servers.items():
+                    seed += 1
+                    t = ttft(server.url, _uri(seed, image_size))
+                    if r >= warmup:
+                        results[name].append(t)
+                        print(f"round {r - warmup + 1} {name:<14} TTFT {1000 * t:8.1f} ms", flush=True)
+        finally:
+            for server in servers.values():
+                server.stop()
+    return results
+
+
+def report(results: dict[str, list[float]]) -> str:
+    names = list(results)
+    base = statistics.median(results[names[0]])
+    lines = ["| configuration | TTFT median (ms) | p90 (ms) | vs first |", "|---|---|---|---|"]
+    for name in names:
+        values = sorted(results[name])
+        median = statistics.median(values)
+        p90 = values[min(len(values) - 1, int(0.9 * len(values)))]
+        lines.append(f"| {name} | {1000 * median:.1f} | {1000 * p90:.1f} | {median / base:.2f}x |")
+    return "\n".join(lines)
