@@ -305,3 +305,49 @@ def test_four_encoders_in_bfloat16_match_hf_bfloat16(tiny_qwen2_vl, logs):
         assert len(four.json()["mmserve"]["encoded_by"].split(", ")) == 4  # round robin: one item each
     finally:
         assert server.stop() == 0
+
+
+def test_bad_media_over_epd_is_400_and_not_retried(epd2):
+    before = httpx.get(epd2.url + "/encoders", timeout=10).json()["failovers"]
+    bad = {"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAA"}},
+        {"type": "text", "text": "Broken."}]}], "max_tokens": 4}  # fmt: skip
+    r = httpx.post(epd2.url + "/v1/chat/completions", json=bad, timeout=30)
+    assert r.status_code == 400 and "image item 0" in r.json()["error"]["message"]
+    assert httpx.get(epd2.url + "/encoders", timeout=10).json()["failovers"] == before
+
+
+def test_encoder_refuses_work_beyond_max_pending(tiny_qwen2_vl, logs):
+    enc = start_encoder(tiny_qwen2_vl, "--max-pending", "0", log_dir=logs)
+    try:
+        job = {"request_id": "r", "part_index": 0, "num_parts": 1, "reply_endpoint": "tcp://127.0.0.1:1",
+               "items": [{"item_index": 0, "modality": "image", "url": "data:,"}]}  # fmt: skip
+        r = httpx.post(enc.url + "/encode", json=job, timeout=10)
+        assert r.status_code == 503 and r.headers.get("retry-after") == "1"
+        assert encoder_metric(enc.url, "encoder_rejected_jobs_total") == 1
+    finally:
+        enc.stop()
+
+
+def test_encoder_killed_mid_request_fails_over(tiny_qwen2_vl, expected, logs):
+    # The slow encoder holds each job in its batch window for 3 s: long enough to kill it mid-request.
+    slow = start_encoder(tiny_qwen2_vl, "--max-batch-wait-ms", "3000", log_dir=logs)
+    fast = start_encoder(tiny_qwen2_vl, log_dir=logs)
+    server = start_server(tiny_qwen2_vl, "--kv-cache-mb", "16", "--language-only", "--encode-timeout-s", "30",
+                          "--encoder-urls", slow.url, fast.url, "--encoder-routing", "round_robin", log_dir=logs)  # fmt: skip
+    try:
+        case = image_case([140], "Killed mid-way.")
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            future = pool.submit(chat, server.url, case)
+            deadline = time.monotonic() + 10
+            while encoder_metric(slow.url, "encoder_pending_jobs") < 1:  # the job is inside the slow encoder
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+            slow.proc.kill()
+            r = future.result(timeout=60)
+        assert content(r) == expected(case)
+        assert fast.url in r.json()["mmserve"]["encoded_by"]
+    finally:
+        assert server.stop() == 0
+        fast.stop()
+        slow.stop()

@@ -233,7 +233,7 @@ def test_32_concurrent_requests_all_complete(client):
 def strict_server(tiny_qwen2_vl, tmp_path_factory):
     handle = start_server(
         tiny_qwen2_vl, "--kv-cache-mb", "16", "--api-key", "s3cret", "--max-request-body-mb", "0.05",
-        "--max-num-seqs", "1", "--max-waiting-requests", "0", "--disable-prefix-cache",
+        "--max-num-seqs", "1", "--max-media-mb", "0.01", "--max-waiting-requests", "0", "--disable-prefix-cache",
         log_dir=str(tmp_path_factory.mktemp("logs")),
     )  # fmt: skip
     yield handle
@@ -295,3 +295,11 @@ def test_client_disconnect_aborts_and_frees_kv(strict_server):
         time.sleep(0.2)
     body = json.loads(post(strict_server, HELLO, AUTH).text)
     assert body["choices"][0]["finish_reason"] in ("length", "stop")
+
+
+def test_oversize_item_gets_413_naming_the_item(strict_server):
+    case = image_case([9], "Too big.", sizes=[(100, 100)])  # random pixels: a ~30 KB PNG > 0.01 MB
+    body = {"messages": case.messages, "max_tokens": 2}
+    r = post(strict_server, body, AUTH)
+    assert r.status_code == 413, r.text
+    assert "image #1" in r.json()["error"]["message"] and "limit" in r.json()["error"]["message"]
