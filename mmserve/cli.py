@@ -24,18 +24,6 @@ def _demo(args: argparse.Namespace) -> int:
     return 0 if run_demo(args.model_dir) else 1
 
 
-def _bench_engine(args: argparse.Namespace) -> int:
-    from mmserve.bench import engine_bench
-
-    width, height = (int(x) for x in args.image_size.lower().split("x"))
-    results = engine_bench.run(
-        args.model, [int(c) for c in args.concurrency.split(",")], args.num_requests, args.hf_requests,
-        args.output_tokens, args.rounds, (width, height), args.dtype, args.kv_cache_mb,
-    )  # fmt: skip
-    print(engine_bench.report(results))
-    return 0
-
-
 def _json_arg(text: str | None, flag: str) -> dict:
     import json
 
@@ -145,20 +133,6 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--media-fetch-timeout-s", type=float, default=10)
 
 
-def _bench_epd(args: argparse.Namespace) -> int:
-    import shlex
-
-    from mmserve.bench import epd_bench
-
-    configs = {}
-    for spec in args.config:
-        name, _, flags = spec.partition("=")
-        configs[name] = shlex.split(flags)
-    width, height = (int(x) for x in args.image_size.lower().split("x"))
-    print(epd_bench.report(epd_bench.run(args.model, configs, args.rounds, (width, height))))
-    return 0
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="mmserve", description="Multimodal LLM serving with EPD disaggregation"
@@ -218,26 +192,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_media_args(p)
     p.set_defaults(func=_encoder)
 
-    p = sub.add_parser("bench", help="performance, measured side by side")
-    bench = p.add_subparsers(dest="bench_command", required=True)
-    p = bench.add_parser("engine", help="in-process engine vs HF generate one request at a time")
-    p.add_argument("--model", required=True)
-    p.add_argument("--concurrency", default="1,4,16", help="comma-separated engine concurrencies")
-    p.add_argument("--num-requests", type=int, default=16, help="requests per engine run")
-    p.add_argument("--hf-requests", type=int, default=4, help="requests per hf baseline run")
-    p.add_argument("--output-tokens", type=int, default=32)
-    p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--image-size", default="224x224", help="WxH")
-    p.add_argument("--dtype", default="float32")
-    p.add_argument("--kv-cache-mb", type=float, default=1024)
-    p.set_defaults(func=_bench_engine)
-    p = bench.add_parser("epd", help="TTFT of server configurations side by side (e.g. monolithic vs EPD)")
-    p.add_argument("--model", required=True)
-    p.add_argument("--config", action="append", required=True,
-                   help='NAME="serve flags", repeatable; ratios are against the first')  # fmt: skip
-    p.add_argument("--rounds", type=int, default=10)
-    p.add_argument("--image-size", default="448x448", help="WxH")
-    p.set_defaults(func=_bench_epd)
+    from mmserve.bench.commands import add_bench_parser
+
+    add_bench_parser(sub)
 
     p = sub.add_parser("demo", help="run the stack on the embedded tiny model")
     p.add_argument("--model-dir", default="models/tiny-qwen2-vl")
@@ -246,7 +203,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    from mmserve.bench.commands import default_subcommand
+
+    args = build_parser().parse_args(default_subcommand(sys.argv[1:] if argv is None else argv))
     if args.command == "encoder":
         # The encoder runs torch on several threads (HTTP job threads, the batcher). With OpenMP's default
         # active wait, each thread's worker team spins after every parallel region and starves the others on

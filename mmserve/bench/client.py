@@ -15,7 +15,7 @@ import random
 import sys
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, TextIO
 
 import httpx
@@ -116,7 +116,7 @@ async def send_one(http: httpx.AsyncClient, cfg: LoadConfig, req: BenchRequest) 
                     chunks = await _read_stream(resp, trace)
     except TimeoutError:
         trace.status, trace.error = 0, f"timed out after {cfg.timeout_s:g} s"
-    except (httpx.HTTPError, OSError) as e:
+    except Exception as e:  # connection errors, bad URLs, broken streams: a benchmark records, never aborts
         trace.status, trace.error = 0, f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
     trace.end = time.perf_counter()
     if trace.output_tokens == 0:
@@ -191,8 +191,9 @@ def _error_message(body: str) -> str:
 class _Progress:
     """A one-line "done/total" counter on stderr, rewritten in place."""
 
-    def __init__(self, total: int, label: str, enabled: bool, out: TextIO = sys.stderr) -> None:
-        self.total, self.label, self.enabled, self.out = total, label, enabled, out
+    def __init__(self, total: int, label: str, enabled: bool, out: TextIO | None = None) -> None:
+        self.total, self.label, self.enabled = total, label, enabled
+        self.out = out if out is not None else sys.stderr  # looked up now: callers may redirect stderr
         self.done = self.errors = 0
 
     def update(self, trace: RequestTrace) -> None:
@@ -250,35 +251,35 @@ async def _send_all(
 async def _discover_model(http: httpx.AsyncClient, cfg: LoadConfig) -> str | None:
     """The first model id of GET /v1/models, or None if the server does not say."""
     try:
-        resp = await http.get(
-            _api_base(cfg.url) + "/models", headers=_headers(cfg), timeout=min(cfg.timeout_s, 30)
-        )
+        url = _api_base(cfg.url) + "/models"
+        resp = await http.get(url, headers=_headers(cfg), timeout=min(cfg.timeout_s, 30.0))
         data = resp.json().get("data") if resp.status_code == 200 else None
         return str(data[0]["id"]) if data else None
-    except (httpx.HTTPError, OSError, ValueError, KeyError, TypeError, AttributeError):
+    except Exception:  # no usable answer: send requests without a "model" field
         return None
 
 
 async def run_load(cfg: LoadConfig, requests: list[BenchRequest]) -> tuple[list[RequestTrace], float]:
     """Sends the workload; returns (traces in request order, wall seconds of the measured run).
 
-    `cfg.warmup` requests go first (cycling through `requests`, same arrival limits) and are discarded;
-    note that they repeat the first requests' media, so a caching server sees those items again. The
-    run ends when every request has ended, successfully or not.
+    With `cfg.model` None the model is asked of GET /v1/models first. `cfg.warmup` requests (cycling
+    through `requests`, same concurrency, no arrival delays) go next and are discarded; they repeat the
+    first requests' media, so a caching server sees those items again. The measured run ends when every
+    request has ended, successfully or not.
     """
-    if cfg.model is None and requests:
-        async with _client(cfg) as probe:
-            model = await _discover_model(probe, cfg)
-        if model is not None:
-            cfg = _with_model(cfg, model)
     async with _client(cfg) as http:
+        if cfg.model is None and requests:
+            model = await _discover_model(http, cfg)
+            cfg = replace(cfg, model=model) if model is not None else cfg
 
         async def send(req: BenchRequest) -> RequestTrace:
             return await send_one(http, cfg, req)
 
         if cfg.warmup and requests:
             warm = [requests[i % len(requests)] for i in range(cfg.warmup)]
-            await _send_all(send, _without_rate(cfg), warm, _Progress(len(warm), "warmup", cfg.progress))
+            await _send_all(
+                send, replace(cfg, request_rate=None), warm, _Progress(len(warm), "warmup", cfg.progress)
+            )
         t0 = time.perf_counter()
         traces = await _send_all(send, cfg, requests, _Progress(len(requests), "bench", cfg.progress))
         wall = time.perf_counter() - t0
@@ -290,18 +291,6 @@ def _client(cfg: LoadConfig) -> httpx.AsyncClient:
     # a benchmark should measure the server, not an intermediary.
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=cfg.concurrency or 64)
     return httpx.AsyncClient(timeout=httpx.Timeout(cfg.timeout_s), limits=limits, trust_env=False)
-
-
-def _with_model(cfg: LoadConfig, model: str) -> LoadConfig:
-    from dataclasses import replace
-
-    return replace(cfg, model=model)
-
-
-def _without_rate(cfg: LoadConfig) -> LoadConfig:
-    from dataclasses import replace
-
-    return replace(cfg, request_rate=None)
 
 
 def run(cfg: LoadConfig, requests: list[BenchRequest]) -> tuple[list[RequestTrace], float]:

@@ -43,9 +43,8 @@ def prepare_prompt(
     return processor.expand(token_ids, items), processed
 
 
-def hf_generate(
-    model, prompt: ExpandedPrompt, processed: list[ProcessedItem], max_new_tokens: int = 16
-) -> ReferenceOutput:
+def hf_generate(model, prompt: ExpandedPrompt, processed: list[ProcessedItem], max_new_tokens: int = 16,
+                streamer=None) -> ReferenceOutput:  # fmt: skip
     """Greedy `generate` with HF's inputs for `prompt`; returns the new tokens and their logits."""
     input_ids = torch.tensor([prompt.hf_token_ids])
     types = {Modality.IMAGE: 1, Modality.VIDEO: 2}
@@ -67,7 +66,7 @@ def hf_generate(
             inputs["second_per_grid_ts"] = torch.tensor([p.second_per_grid_t for p in videos])
     with torch.no_grad():
         out = model.generate(
-            **inputs, max_new_tokens=max_new_tokens, do_sample=False, output_logits=True,
+            **inputs, max_new_tokens=max_new_tokens, do_sample=False, output_logits=True, streamer=streamer,
             return_dict_in_generate=True, eos_token_id=None, pad_token_id=model.generation_config.pad_token_id,
         )  # fmt: skip
     new_tokens = out.sequences[0, input_ids.shape[1] :].tolist()

@@ -1,0 +1,181 @@
+"""`mmserve bench ...` command line: run, compare, engine, epd."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+
+RUN_ALIASES = {"run", "compare", "engine", "epd"}
+
+
+def _workload(args: argparse.Namespace):
+    from mmserve.bench.workload import WorkloadConfig, parse_range, parse_sizes
+
+    return WorkloadConfig(
+        num_requests=args.num_requests, images_per_request=parse_range(args.images_per_request),
+        image_sizes=parse_sizes(args.image_size), image_format=args.image_format, image_reuse=args.image_reuse,
+        video=args.video, video_frames=args.video_frames, prompt_tokens=args.prompt_tokens,
+        output_tokens=args.output_tokens, seed=args.seed,
+    )  # fmt: skip
+
+
+def _load(args: argparse.Namespace, url: str):
+    from mmserve.bench.client import LoadConfig
+
+    return LoadConfig(url=url, model=args.served_model, concurrency=args.concurrency, request_rate=args.request_rate,
+                      timeout_s=args.timeout_s, api_key=args.api_key, warmup=args.warmup, seed=args.seed)  # fmt: skip
+
+
+def _write_json(path: str | None, payload) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump(payload, f, indent=2)
+        print(f"wrote {path}")
+
+
+def _run(args: argparse.Namespace) -> int:
+    import tempfile
+
+    from mmserve.bench import compare, stats
+    from mmserve.bench.workload import build_workload
+    from mmserve.testing.server_process import start_server
+
+    if bool(args.url) == bool(args.launch is not None):
+        raise SystemExit("give exactly one of --url or --launch")
+    slo = stats.parse_slo(args.slo) if args.slo else None
+    requests = build_workload(_workload(args))
+    with tempfile.TemporaryDirectory() as logs:
+        server = None
+        if args.launch is not None:
+            if not args.model:
+                raise SystemExit("--launch needs --model")
+            server = start_server(args.model, *shlex.split(args.launch), log_dir=logs, timeout_s=900,
+                                  served_model_name="bench")  # fmt: skip
+        try:
+            summary, server_side = compare.run_one(_load(args, args.url or server.url), requests, slo)
+        finally:
+            if server is not None:
+                server.stop()
+    print(summary.table())
+    print(compare.format_breakdown(server_side))
+    _write_json(args.json, compare.result_json(summary, server_side))
+    return 0
+
+
+def _compare(args: argparse.Namespace) -> int:
+    from mmserve.bench import compare, stats
+
+    configs = {}
+    for spec in args.config:
+        name, _, flags = spec.partition("=")
+        configs[name.strip()] = flags
+    slo = stats.parse_slo(args.slo) if args.slo else None
+    results = compare.compare(args.model, configs, _workload(args), _load(args, ""), args.rounds, slo)
+    print(compare.report(results))
+    _write_json(args.json, results)
+    if args.plot:
+        compare.plot(results, args.plot)
+        print(f"wrote {args.plot}")
+    return 0
+
+
+def _engine(args: argparse.Namespace) -> int:
+    from mmserve.bench import engine_bench
+    from mmserve.bench.workload import parse_size
+
+    results = engine_bench.run(
+        args.model, [int(c) for c in args.concurrency.split(",")], args.num_requests, args.hf_requests,
+        args.output_tokens, args.rounds, parse_size(args.image_size), args.dtype, args.kv_cache_mb,
+    )  # fmt: skip
+    print(engine_bench.report(results))
+    return 0
+
+
+def _epd(args: argparse.Namespace) -> int:
+    from mmserve.bench import epd_bench
+    from mmserve.bench.workload import parse_size
+
+    configs = {name: shlex.split(flags) for name, _, flags in (spec.partition("=") for spec in args.config)}
+    print(epd_bench.report(epd_bench.run(args.model, configs, args.rounds, parse_size(args.image_size))))
+    return 0
+
+
+def _add_workload_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("workload (synthetic, offline, deterministic under --seed)")
+    g.add_argument("--num-requests", type=int, default=64)
+    g.add_argument("--images-per-request", default="1", help="N or MIN-MAX")
+    g.add_argument("--image-size", default="448x448", help="WxH, or a comma-separated mix")
+    g.add_argument("--image-format", default="png", choices=["png", "jpeg"])
+    g.add_argument("--image-reuse", type=float, default=0.0, help="fraction of items drawn from a small pool")
+    g.add_argument("--video", action="store_true", help="add one short generated video per request")
+    g.add_argument("--video-frames", type=int, default=8)
+    g.add_argument("--prompt-tokens", type=int, default=32)
+    g.add_argument("--output-tokens", type=int, default=64)
+    g.add_argument("--seed", type=int, default=0)
+    g = p.add_argument_group("load")
+    g.add_argument("--concurrency", type=int, default=8, help="requests in flight at most")
+    g.add_argument("--request-rate", type=float, default=None, help="Poisson arrivals per second")
+    g.add_argument("--warmup", type=int, default=0, help="requests sent and discarded first")
+    g.add_argument("--timeout-s", type=float, default=600)
+    g.add_argument("--api-key", default=None)
+    g.add_argument("--served-model", default=None, help="model name to send (default: the server's first)")
+    g.add_argument("--slo", default=None, help="goodput targets, e.g. ttft_ms=500,tpot_ms=50")
+    g.add_argument("--json", default=None, help="write the results as JSON here")
+
+
+def add_bench_parser(sub) -> None:
+    p = sub.add_parser("bench", help="performance, measured side by side (default subcommand: run)")
+    bench = p.add_subparsers(dest="bench_command", required=True)
+
+    p = bench.add_parser("run", help="drive a synthetic multimodal load against one endpoint")
+    p.add_argument("--url", default=None, help="an OpenAI-compatible server, e.g. http://127.0.0.1:8000")
+    p.add_argument(
+        "--launch",
+        default=None,
+        help='or launch `mmserve serve` with these flags, e.g. "--encoder-workers 2"',
+    )
+    p.add_argument("--model", default=None, help="model for --launch")
+    _add_workload_args(p)
+    p.set_defaults(func=_run)
+
+    p = bench.add_parser("compare", help="the same workload against several configurations, alternating")
+    p.add_argument("--model", required=True)
+    p.add_argument("--config", action="append", required=True,
+                   help='NAME="serve flags" (repeatable; NAME hf = plain transformers one at a time)')  # fmt: skip
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--plot", default=None, help="write latency/throughput bars to this PNG")
+    _add_workload_args(p)
+    p.set_defaults(func=_compare)
+
+    p = bench.add_parser("engine", help="in-process engine vs HF generate one request at a time")
+    p.add_argument("--model", required=True)
+    p.add_argument("--concurrency", default="1,4,16", help="comma-separated engine concurrencies")
+    p.add_argument("--num-requests", type=int, default=16, help="requests per engine run")
+    p.add_argument("--hf-requests", type=int, default=4, help="requests per hf baseline run")
+    p.add_argument("--output-tokens", type=int, default=32)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--image-size", default="224x224", help="WxH")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--kv-cache-mb", type=float, default=1024)
+    p.set_defaults(func=_engine)
+
+    p = bench.add_parser(
+        "epd", help="TTFT of server configurations side by side, one light request at a time"
+    )
+    p.add_argument("--model", required=True)
+    p.add_argument("--config", action="append", required=True, help='NAME="serve flags"; ratios vs the first')
+    p.add_argument("--rounds", type=int, default=10)
+    p.add_argument("--image-size", default="448x448", help="WxH")
+    p.set_defaults(func=_epd)
+
+
+def default_subcommand(argv: list[str]) -> list[str]:
+    """`mmserve bench --url ...` means `mmserve bench run --url ...`."""
+    if (
+        len(argv) >= 1
+        and argv[0] == "bench"
+        and (len(argv) == 1 or argv[1] not in RUN_ALIASES | {"-h", "--help"})
+    ):
+        return ["bench", "run", *argv[1:]]
+    return argv

@@ -1,0 +1,151 @@
+"""`mmserve bench` runs: one load against a server, and side-by-side comparisons of configurations.
+
+`run_one`: scrape the server's metrics, drive the workload, scrape again; returns the client-side summary
+and the server-side breakdown. `compare`: launch every configuration as a real server (the name `hf` is the
+in-process plain-transformers baseline), then for each round send that round's workload (fresh images per
+round, so caches only see what the workload's own reuse gives them) to every configuration in turn, and
+report medians over rounds with ratios against the first configuration.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import tempfile
+from typing import Any
+
+from mmserve.bench import client as load
+from mmserve.bench import server_metrics, stats
+from mmserve.bench.workload import WorkloadConfig, build_workload
+from mmserve.testing.server_process import start_server
+
+# Summary metrics shown side by side: (label, path into Summary.to_json(), higher is better)
+HEADLINE = (
+    ("TTFT mean s", ("ttft_s", "mean"), False),
+    ("TTFT p90 s", ("ttft_s", "p90"), False),
+    ("TPOT mean s", ("tpot_s", "mean"), False),
+    ("E2E mean s", ("e2e_s", "mean"), False),
+    ("req/s", ("request_throughput",), True),
+    ("output tok/s", ("output_throughput",), True),
+)
+
+
+def run_one(load_cfg: load.LoadConfig, requests, slo: stats.SLO | None = None) -> tuple[stats.Summary, dict]:
+    """Client-side summary and server-side breakdown of one load run against `load_cfg.url`."""
+    before = server_metrics.scrape(load_cfg.url)
+    traces, wall_s = load.run(load_cfg, requests)
+    after = server_metrics.scrape(load_cfg.url)
+    return stats.summarize(traces, wall_s, slo), server_metrics.breakdown(before, after)
+
+
+def result_json(summary: stats.Summary, server: dict | None) -> dict[str, Any]:
+    result = summary.to_json()
+    result["server"] = server
+    return result
+
+
+def format_breakdown(server: dict) -> str:
+    lines = ["server-side breakdown (means over the run; None: not measured):"]
+    lines += [f"  {key:<24} {value:.4f}" if isinstance(value, float) else f"  {key:<24} {value}"
+              for key, value in server.items()]  # fmt: skip
+    return "\n".join(lines)
+
+
+def _value(summary: dict[str, Any], path: tuple[str, ...]) -> float | None:
+    value: Any = summary
+    for key in path:
+        value = value.get(key) if isinstance(value, dict) else None
+    return value if isinstance(value, int | float) else None
+
+
+def compare(model_dir: str, configs: dict[str, str], workload: WorkloadConfig, load_template: load.LoadConfig,
+            rounds: int, slo: stats.SLO | None = None) -> dict[str, list[dict[str, Any]]]:  # fmt: skip
+    import shlex
+
+    results: dict[str, list[dict[str, Any]]] = {name: [] for name in configs}
+    servers, baseline = {}, None
+    with tempfile.TemporaryDirectory() as logs:
+        try:
+            for name, flags in configs.items():
+                if name == "hf":
+                    from mmserve.bench.hf_baseline import HFBaseline
+
+                    baseline = HFBaseline(model_dir)
+                else:
+                    servers[name] = start_server(model_dir, *shlex.split(flags), log_dir=logs, timeout_s=900,
+                                                 served_model_name="bench")  # fmt: skip
+            for r in range(rounds):
+                requests = build_workload(dataclasses.replace(workload, seed=workload.seed + 1000 * r))
+                for name in configs:
+                    if name == "hf":
+                        traces, wall_s = baseline.run(requests)
+                        summary = stats.summarize(traces, wall_s, slo).to_json()
+                    else:
+                        cfg = dataclasses.replace(
+                            load_template, url=servers[name].url, model="bench", progress=False
+                        )
+                        summary = result_json(*run_one(cfg, requests, slo))
+                    results[name].append(summary)
+                    print(f"round {r + 1} {name:<16} " + "  ".join(
+                        f"{label} {_value(summary, path):.3f}" for label, path, _ in HEADLINE
+                        if _value(summary, path) is not None), flush=True)  # fmt: skip
+        finally:
+            for server in servers.values():
+                server.stop()
+    return results
+
+
+def medians(runs: list[dict[str, Any]]) -> dict[str, float | None]:
+    out = {}
+    for label, path, _ in HEADLINE:
+        values = [v for v in (_value(run, path) for run in runs) if v is not None]
+        out[label] = statistics.median(values) if values else None
+    return out
+
+
+def report(results: dict[str, list[dict[str, Any]]]) -> str:
+    names = list(results)
+    table = {name: medians(runs) for name, runs in results.items()}
+    base = table[names[0]]
+    header = "| configuration | " + " | ".join(f"{label} | ratio" for label, _, _ in HEADLINE) + " |"
+    lines = [header, "|---" * (1 + 2 * len(HEADLINE)) + "|"]
+    for name in names:
+        cells = []
+        for label, _, _ in HEADLINE:
+            value, ref = table[name][label], base[label]
+            ratio = f"{value / ref:.2f}x" if value is not None and ref else ""
+            cells += [f"{value:.3f}" if value is not None else "", ratio]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    errors = {
+        name: sum(sum(run.get("errors_by_status", {}).values()) for run in runs)
+        for name, runs in results.items()
+    }
+    lines.append("\nerrors: " + ", ".join(f"{name} {count}" for name, count in errors.items()))
+    return "\n".join(lines)
+
+
+def plot(results: dict[str, list[dict[str, Any]]], path: str) -> None:
+    """Latency percentiles and throughput per configuration (matplotlib, imported only when asked)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(results)
+    fig, (ax_lat, ax_tp) = plt.subplots(1, 2, figsize=(11, 4))
+    width = 0.8 / len(names)
+    for i, name in enumerate(names):
+        runs = results[name]
+        vals = [statistics.median([v for v in (_value(run, ("ttft_s", q)) for run in runs) if v is not None] or [0])
+                for q in ("p50", "p90", "p99")]  # fmt: skip
+        ax_lat.bar([x + i * width for x in range(3)], vals, width, label=name)
+        ax_tp.bar(i, medians(runs)["output tok/s"] or 0, label=name)
+    ax_lat.set_xticks(
+        [x + width * (len(names) - 1) / 2 for x in range(3)], ["TTFT p50", "TTFT p90", "TTFT p99"]
+    )
+    ax_lat.set_ylabel("seconds")
+    ax_lat.legend()
+    ax_tp.set_xticks(range(len(names)), names)
+    ax_tp.set_ylabel("output tokens / s")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)

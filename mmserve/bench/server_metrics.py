@@ -1,0 +1,78 @@
+"""Server-side breakdown for a bench run: scrape `/metrics` (and the encoders') before and after, diff.
+
+Histograms give mean seconds per request for each stage (queue, encode, prefill, decode, and, for EPD,
+the encoders' transfer time); gauges and counters give prefix-cache and embedding-cache hit rates over the
+run. Everything is computed from deltas, so earlier traffic (warm-up, other runs) does not count.
+"""
+
+from __future__ import annotations
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+# (label in the report, histogram name without the `mmserve:` prefix)
+STAGES = (
+    ("queue", "request_queue_time_seconds"),
+    ("encode", "request_encode_time_seconds"),
+    ("prefill", "request_prefill_time_seconds"),
+    ("decode", "request_decode_time_seconds"),
+)
+
+
+def scrape_text(text: str) -> dict[str, float]:
+    """Prometheus text -> {sample name: value}, labels summed away (one model per server)."""
+    values: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            values[sample.name] = values.get(sample.name, 0.0) + float(sample.value)
+    return values
+
+
+def scrape(url: str, timeout_s: float = 10.0) -> dict[str, dict[str, float]]:
+    """{"server": metrics, "encoders": summed metrics of every registered encoder} for a server URL."""
+    with httpx.Client(timeout=timeout_s) as http:
+        server = scrape_text(http.get(url + "/metrics").text)
+        encoders: dict[str, float] = {}
+        try:
+            listed = http.get(url + "/encoders").json().get("encoders", [])
+        except (httpx.HTTPError, ValueError):
+            listed = []
+        for enc in listed:
+            try:
+                for name, value in scrape_text(http.get(enc["url"] + "/metrics").text).items():
+                    encoders[name] = encoders.get(name, 0.0) + value
+            except httpx.HTTPError:
+                continue
+    return {"server": server, "encoders": encoders}
+
+
+def _delta(before: dict[str, float], after: dict[str, float], name: str) -> float:
+    return after.get(name, 0.0) - before.get(name, 0.0)
+
+
+def _ratio(num: float, den: float) -> float | None:
+    return num / den if den > 0 else None
+
+
+def breakdown(
+    before: dict[str, dict[str, float]], after: dict[str, dict[str, float]]
+) -> dict[str, float | None]:
+    """Mean stage seconds per request and cache hit rates over the run (None where nothing was measured)."""
+    s0, s1 = before["server"], after["server"]
+    e0, e1 = before["encoders"], after["encoders"]
+    out: dict[str, float | None] = {}
+    for label, hist in STAGES:
+        name = f"mmserve:{hist}"
+        out[f"{label}_s_mean"] = _ratio(_delta(s0, s1, name + "_sum"), _delta(s0, s1, name + "_count"))
+    transfer = "mmserve:encoder_transfer_seconds"
+    out["transfer_s_mean"] = _ratio(_delta(e0, e1, transfer + "_sum"), _delta(e0, e1, transfer + "_count"))
+    out["prefix_cache_hit_rate"] = _ratio(_delta(s0, s1, "mmserve:prefix_cache_hits"),
+                                          _delta(s0, s1, "mmserve:prefix_cache_queries"))  # fmt: skip
+    # Embedding cache: the encoders' when there are any (EPD), else the engine's in-process one.
+    if e1:
+        out["mm_cache_hit_rate"] = _ratio(_delta(e0, e1, "mmserve:encoder_cache_hits"),
+                                          _delta(e0, e1, "mmserve:encoder_cache_queries"))  # fmt: skip
+    else:
+        out["mm_cache_hit_rate"] = _ratio(_delta(s0, s1, "mmserve:mm_cache_hits"),
+                                          _delta(s0, s1, "mmserve:mm_cache_queries"))  # fmt: skip
+    return out
