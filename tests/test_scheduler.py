@@ -32,6 +32,8 @@ def fake_step(sched: Scheduler, next_token=lambda req: 7) -> list[Request]:
     done = []
     for c in chunks:
         assert c.request.status == RequestStatus.RUNNING
+        if c.start < c.request.prompt_len <= c.end:  # as the engine does after the forward
+            sched.cache_prompt(c.request)
         if c.samples:
             c.request.append_output(next_token(c.request))
             if len(c.request.output_ids) >= c.request.params.max_tokens:
@@ -123,4 +125,20 @@ def test_decode_pressure_retracts_newest_and_recomputes():
         fake_step(sched)
     assert sched.stats.retractions > 0 and b.num_retractions > 0 and a.num_retractions == 0
     assert len(a.output_ids) == len(b.output_ids) == 6
+    assert sched.pool.num_used == 0
+
+
+def test_finished_prompt_is_shared_while_its_request_still_runs():
+    sched = make(budget=64)
+    a = request("a", [1, 2, 3, 4, 5, 6, 7, 8], 20)
+    sched.add(a)
+    fake_step(sched)  # a's prompt is computed and cached; a keeps decoding
+    assert a.status == RequestStatus.RUNNING
+    b = request("b", [1, 2, 3, 4, 5, 6, 7, 9], 2)
+    sched.add(b)
+    fake_step(sched)
+    assert b.num_cached_tokens == 7
+    while sched.has_work:
+        fake_step(sched)
+    sched.prefix_cache.reset()
     assert sched.pool.num_used == 0

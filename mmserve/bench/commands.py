@@ -15,7 +15,7 @@ def _workload(args: argparse.Namespace):
     return WorkloadConfig(
         num_requests=args.num_requests, images_per_request=parse_range(args.images_per_request),
         image_sizes=parse_sizes(args.image_size), image_format=args.image_format, image_reuse=args.image_reuse,
-        video=args.video, video_frames=args.video_frames, prompt_tokens=args.prompt_tokens,
+        reuse_pool_size=args.reuse_pool_size, video=args.video, video_frames=args.video_frames, prompt_tokens=args.prompt_tokens,
         output_tokens=args.output_tokens, seed=args.seed,
     )  # fmt: skip
 
@@ -108,6 +108,7 @@ def _add_workload_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--image-size", default="448x448", help="WxH, or a comma-separated mix")
     g.add_argument("--image-format", default="png", choices=["png", "jpeg"])
     g.add_argument("--image-reuse", type=float, default=0.0, help="fraction of items drawn from a small pool")
+    g.add_argument("--reuse-pool-size", type=int, default=8, help="distinct images in that pool")
     g.add_argument("--video", action="store_true", help="add one short generated video per request")
     g.add_argument("--video-frames", type=int, default=8)
     g.add_argument("--prompt-tokens", type=int, default=32)

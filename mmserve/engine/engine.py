@@ -157,6 +157,9 @@ class Engine:
         if not chunks:
             return []
         logits = self.runner.forward(chunks, self.pool)
+        for chunk in chunks:  # share finished prompts now, not at the end: concurrent requests reuse them
+            if chunk.start < chunk.request.prompt_len <= chunk.end:
+                self.scheduler.cache_prompt(chunk.request)
         sampled_reqs = [c.request for c in chunks if c.samples]
         tokens = self.sampler(logits, [r.params for r in sampled_reqs], [r.generator for r in sampled_reqs])
         outputs = []

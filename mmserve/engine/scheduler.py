@@ -150,6 +150,17 @@ class Scheduler:
             slots = self.pool.alloc(n)
         return slots
 
+    def cache_prompt(self, req: Request) -> None:
+        """Insert a running request's whole prompt (its KV is now written) into the prefix cache and move the
+        request's lock to the new path, so requests arriving meanwhile reuse it instead of recomputing it."""
+        prompt = req.token_ids[: req.prompt_len]
+        self.prefix_cache.insert(prompt, req.slot_buffer[: req.prompt_len])
+        match = self.prefix_cache.match(prompt)
+        self.prefix_cache.lock(match.handle)
+        if req.prefix_handle is not None:
+            self.prefix_cache.unlock(req.prefix_handle)
+        req.prefix_handle = match.handle
+
     # -- leaving the running set ----------------------------------------------------------------
     def retract(self, req: Request, batch: dict[str, ScheduledChunk] | None = None) -> None:
         """Free a running request's slots and requeue it first in line; it recomputes later."""
