@@ -191,7 +191,7 @@ def build_app(
             raise APIError(400, f"prompt has {len(prompt_ids)} tokens; the model's context is {max_model_len}",
                            "context_length_exceeded")  # fmt: skip
         max_tokens = max_tokens_of(body)
-        params = body.sampling_params(max_tokens or 1, 1)
+        params = body.sampling_params()
         check_capacity()
         gen = Generation(client, tokenizer, metrics, f"{kind}-{uuid.uuid4().hex[:12]}-{next(ids)}", prompt_ids,
                          items, params, max_tokens, dispatcher)  # fmt: skip

@@ -57,11 +57,13 @@ class _SamplingFields(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
 
-    def sampling_params(self, max_tokens: int | None, default_max_tokens: int) -> SamplingParams:
+    def sampling_params(self) -> SamplingParams:
+        """Validated sampling settings. max_tokens travels separately to the engine (None there means the rest
+        of the context), so here it only needs to be valid."""
         stop = [self.stop] if isinstance(self.stop, str) else self.stop
         try:
             return SamplingParams(
-                max_tokens=max_tokens if max_tokens is not None else default_max_tokens,
+                max_tokens=self.requested_max_tokens or 1,
                 temperature=1.0 if self.temperature is None else self.temperature,
                 top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k or 0,
                 min_p=self.min_p or 0.0, seed=self.seed, stop=stop or None, stop_token_ids=self.stop_token_ids,
