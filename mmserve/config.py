@@ -99,10 +99,6 @@ class ModelConfig:
             uses_mrope="mrope_section" in rope,
         )
 
-    @property
-    def kv_bytes_per_token_fp32(self) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * 4
-
 
 @dataclass(frozen=True)
 class EngineConfig:

@@ -49,10 +49,6 @@ def pad_value(digest: bytes) -> int:
     return PAD_BASE + (int.from_bytes(digest, "little") & ((1 << PAD_BITS) - 1))
 
 
-def is_pad_value(token_id: int) -> bool:
-    return token_id >= PAD_BASE
-
-
 @dataclass
 class MultimodalItem:
     """One image, video or audio clip of a request, from reference to placement in the prompt.
@@ -76,7 +72,3 @@ class MultimodalItem:
     @property
     def end(self) -> int:
         return self.offset + self.num_tokens
-
-    @property
-    def hash_hex(self) -> str:
-        return self.content_hash.hex()

@@ -123,7 +123,3 @@ class StatsMsg(msgspec.Struct, tag="stats"):
 
 
 FromEngine = ReadyMsg | AcceptedMsg | TokensMsg | ErrorMsg | StatsMsg
-
-
-def make_codecs(kind) -> tuple[msgspec.msgpack.Encoder, msgspec.msgpack.Decoder]:
-    return msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(kind)
