@@ -44,6 +44,19 @@ def content(r: httpx.Response) -> str:
     return r.json()["choices"][0]["message"]["content"]
 
 
+def open_fds(pid: int) -> int:
+    import os
+
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def server_metric(url: str, name: str) -> float:
+    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith(f"mmserve:{name}{{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"metric {name} not found")
+
+
 def encoder_metric(url: str, name: str) -> float:
     for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
         if line.startswith(f"mmserve:{name} "):
@@ -192,7 +205,7 @@ def test_faulty_encoder_fails_over_to_a_healthy_one(tiny_qwen2_vl, expected, log
     real = start_encoder(tiny_qwen2_vl, "--mm-processor-kwargs", MM_KWARGS, log_dir=logs)
     server = start_server(tiny_qwen2_vl, "--kv-cache-mb", "16", "--language-only", "--encode-timeout-s", "9",
                           "--encoder-urls", fake.url, real.url, "--encoder-routing", "round_robin",
-                          "--mm-processor-kwargs", MM_KWARGS, log_dir=logs)  # fmt: skip
+                          "--disable-prefix-cache", "--mm-processor-kwargs", MM_KWARGS, log_dir=logs)  # fmt: skip
     try:
         start = time.monotonic()
         for seed in (50, 51):  # round robin: one of the two goes to the faulty encoder first
@@ -200,6 +213,14 @@ def test_faulty_encoder_fails_over_to_a_healthy_one(tiny_qwen2_vl, expected, log
             assert content(chat(server.url, case)) == expected(case)
         assert fake.calls >= 1 and time.monotonic() - start < 20
         assert httpx.get(server.url + "/encoders", timeout=10).json()["failovers"] >= 1
+        # Nothing leaks across further failovers: KV slots all free again, socket/file counts flat.
+        fds = [open_fds(pid) for pid in [server.proc.pid, *server.child_pids()]]
+        for seed in (52, 53, 54, 55):
+            assert chat(server.url, image_case([seed], "Again.")).status_code == 200
+        assert server_metric(server.url, "kv_cache_usage_perc") == 0
+        assert server_metric(server.url, "num_requests_running") == 0
+        after = [open_fds(pid) for pid in [server.proc.pid, *server.child_pids()]]
+        assert all(a <= b + 2 for a, b in zip(after, fds, strict=True)), (fds, after)
     finally:
         assert server.stop() == 0
         real.stop()
