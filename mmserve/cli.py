@@ -120,17 +120,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-mb", type=float, default=None, help="KV budget (default: 20%% of free memory)")
     p.add_argument("--disable-prefix-cache", action="store_true")
     p.add_argument("--embedding-cache-mb", type=float, default=512)
-    p.add_argument("--mm-processor-kwargs", default=None, help="JSON, e.g. '{\"max_pixels\": 802816}'")
-    p.add_argument(
-        "--allowed-local-media-path", default=None, help="file:// media is read only below this dir"
-    )
-    p.add_argument(
-        "--allowed-media-domains", nargs="*", default=None, help="http(s) media only from these hosts"
-    )
-    p.add_argument("--allow-private-media-urls", action="store_true",
-                   help="allow media URLs on loopback/private addresses (intranets, tests)")  # fmt: skip
-    p.add_argument("--max-media-mb", type=float, default=32)
-    p.add_argument("--media-fetch-timeout-s", type=float, default=10)
+    add_media_args(p)
 
 
 def build_parser() -> argparse.ArgumentParser:
