@@ -9,7 +9,7 @@ tower. Concurrent requests for the same item compute it once (single-flight in t
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -63,7 +63,6 @@ class EncodeTimings:
     forward_s: float = 0.0  # waiting for and running the tower, cache misses only
     hits: int = 0
     misses: int = 0
-    per_item: list[str] = field(default_factory=list)  # "hit" / "miss" in request order
 
     @property
     def total_s(self) -> float:
@@ -102,7 +101,6 @@ class MultimodalEncoder:
             return EncodedItem(modality, digest, embedding, processed.grid_thw, processed.second_per_grid_t)
 
         encoded = self.cache.get_or_compute(digest, compute)
-        timings.per_item.append("miss" if computed else "hit")
         timings.misses += bool(computed)
         timings.hits += not computed
         return encoded

@@ -4,9 +4,10 @@ Started by the API server as `python -m mmserve.engine.loop --config JSON` (an e
 a pickled object). Sockets: PULL on `input_addr` for ToEngine messages, PUSH on `output_addr` for
 FromEngine messages.
 
-Media encoding runs on a worker thread so the scheduler keeps stepping while an image is fetched and
-encoded; finished encodes are handed back through a queue and admitted by the loop thread, which alone
-touches the engine. The loop exits when told to, or when its parent process is gone (no orphans).
+A third socket, the Intake's embedding receiver, takes parts pushed by encoder services. How requests get
+their embeddings (in-process encode on a worker thread, or parts from encoders) is `intake.py`'s concern;
+this loop only moves messages and steps the engine, and it alone touches the engine. It exits when told to,
+or when its parent process is gone (no orphans).
 """
 
 from __future__ import annotations
