@@ -45,7 +45,31 @@ def media_config_from_args(args: argparse.Namespace):
         max_media_bytes=int(args.max_media_mb * 2**20), fetch_timeout_s=args.media_fetch_timeout_s,
         allowed_local_media_path=args.allowed_local_media_path,
         allowed_media_domains=tuple(args.allowed_media_domains or ()), allow_private_urls=args.allow_private_media_urls,
+        allowed_media_networks=tuple(args.allowed_media_networks or ()),
+        media_host_overrides=tuple(_host_override(x) for x in args.media_resolve or ()),
     )  # fmt: skip
+
+
+def _host_override(text: str) -> tuple[str, str]:
+    import ipaddress
+
+    host, sep, ip = text.partition("=")
+    try:
+        ipaddress.ip_address(ip)
+    except ValueError:
+        raise SystemExit(f"--media-resolve: expected HOST=IP, got {text!r}") from None
+    if not sep or not host:
+        raise SystemExit(f"--media-resolve: expected HOST=IP, got {text!r}")
+    return host.rstrip(".").lower(), ip
+
+
+def _network(text: str) -> str:
+    import ipaddress
+
+    try:
+        return str(ipaddress.ip_network(text, strict=False))
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not an IP network: {text!r}") from e
 
 
 def engine_config_from_args(args: argparse.Namespace):
@@ -60,6 +84,7 @@ def engine_config_from_args(args: argparse.Namespace):
         embedding_cache_mb=args.embedding_cache_mb,
         mm_processor_kwargs=tuple(_json_arg(args.mm_processor_kwargs, "--mm-processor-kwargs").items()), media=media,
         language_only=getattr(args, "language_only", False), encode_timeout_s=getattr(args, "encode_timeout_s", 60.0),
+        max_prompt_tokens=args.max_prompt_tokens, max_mm_pixels_per_prompt=args.max_mm_pixels_per_prompt,
     )  # fmt: skip
 
 
@@ -75,7 +100,7 @@ def _serve(args: argparse.Namespace) -> int:
         max_waiting_requests=args.max_waiting_requests, max_request_body_bytes=int(args.max_request_body_mb * 2**20),
         log_level=args.log_level, encoder_urls=tuple(args.encoder_urls or ()), encoder_workers=args.encoder_workers,
         encoder_routing=args.encoder_routing, encoder_probe_interval_s=args.encoder_probe_interval_s,
-        encoder_probe_timeout_s=args.encoder_probe_timeout_s,
+        encoder_probe_timeout_s=args.encoder_probe_timeout_s, cluster_secret=_cluster_secret(args),
     )  # fmt: skip
     return serve(server_cfg, engine_config_from_args(args))
 
@@ -92,8 +117,25 @@ def _encoder(args: argparse.Namespace) -> int:
         register_interval_s=args.register_interval_s,
         advertise_url=args.advertise_url, media=media_config_from_args(args),
         mm_processor_kwargs=tuple(_json_arg(args.mm_processor_kwargs, "--mm-processor-kwargs").items()),
+        cluster_secret=_cluster_secret(args),
     )  # fmt: skip
     return serve_encoder(cfg, args.log_level)
+
+
+def _cluster_secret(args: argparse.Namespace) -> str | None:
+    from mmserve.transport.cluster_auth import resolve_secret
+
+    try:
+        secret = resolve_secret(args.cluster_secret)
+    except ValueError as e:
+        raise SystemExit(f"--cluster-secret / $MMSERVE_CLUSTER_SECRET: {e}") from None
+    return secret.secret.decode() if secret else None
+
+
+def add_cluster_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--cluster-secret", default=None,
+                   help="shared secret of encoders and language servers (>= 16 bytes; prefer the "
+                        "MMSERVE_CLUSTER_SECRET environment variable: argv is visible to other users)")  # fmt: skip
 
 
 def add_media_args(p: argparse.ArgumentParser) -> None:
@@ -106,6 +148,21 @@ def add_media_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--allow-private-media-urls", action="store_true",
                    help="allow media URLs on loopback/private addresses (intranets, tests)")  # fmt: skip
+    p.add_argument(
+        "--allowed-media-networks",
+        nargs="*",
+        type=_network,
+        default=None,
+        metavar="CIDR",
+        help="allow media from these private networks only (narrower than --allow-private-media-urls)",
+    )
+    p.add_argument(
+        "--media-resolve",
+        nargs="*",
+        default=None,
+        metavar="HOST=IP",
+        help="pin media host names to addresses before DNS (like curl --resolve); still checked",
+    )
     p.add_argument("--max-media-mb", type=float, default=32)
     p.add_argument("--media-fetch-timeout-s", type=float, default=10)
 
@@ -120,6 +177,18 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-mb", type=float, default=None, help="KV budget (default: 20%% of free memory)")
     p.add_argument("--disable-prefix-cache", action="store_true")
     p.add_argument("--embedding-cache-mb", type=float, default=512)
+    p.add_argument(
+        "--max-prompt-tokens",
+        type=int,
+        default=None,
+        help="per-request prompt limit, media tokens included (default: the context length)",
+    )
+    p.add_argument(
+        "--max-mm-pixels-per-prompt",
+        type=int,
+        default=None,
+        help="per-request limit on model-input pixels over all images and video frames",
+    )
     add_media_args(p)
 
 
@@ -163,6 +232,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--encoder-probe-interval-s", type=float, default=5.0)
     p.add_argument("--encoder-probe-timeout-s", type=float, default=2.0)
+    add_cluster_args(p)
     p.set_defaults(func=_serve)
 
     p = sub.add_parser("encoder", help="standalone vision encoder service (vision weights only)")
@@ -180,6 +250,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--advertise-url", default=None, help="URL servers use to reach this encoder")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     add_media_args(p)
+    add_cluster_args(p)
     p.set_defaults(func=_encoder)
 
     from mmserve.bench.commands import add_bench_parser

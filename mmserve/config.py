@@ -6,7 +6,7 @@ Units are in the field names. Derived values are properties. Hugging Face config
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -33,6 +33,12 @@ class MediaConfig:
     allowed_media_domains: tuple[str, ...] = ()
     # Loopback / private / link-local / reserved destinations are refused unless this is set.
     allow_private_urls: bool = False
+    # Narrower than allow_private_urls: these CIDR networks are allowed even though they are private
+    # (e.g. an intranet media store at 10.20.0.0/16); every other refused class stays refused.
+    allowed_media_networks: tuple[str, ...] = ()
+    # Static host -> IP answers consulted before DNS (like curl --resolve): pins a media host to an address.
+    # The address is still checked against the refused classes, so this cannot open a hole by itself.
+    media_host_overrides: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -118,6 +124,9 @@ class EngineConfig:
     media: MediaConfig = MediaConfig()
     language_only: bool = False  # load no vision weights; media must come from encoder services
     encode_timeout_s: float = 60.0  # a request waiting for embedding parts fails (504) after this
+    # Per-request limits, checked when the request is admitted (after media expansion), in every mode.
+    max_prompt_tokens: int | None = None  # prompt length with media tokens; None: the context length
+    max_mm_pixels_per_prompt: int | None = None  # model-input pixels over all items (after resizing)
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1:
@@ -128,6 +137,10 @@ class EngineConfig:
             raise ValueError("kv_cache_mb must be > 0")
         if not 0 < self.kv_cache_memory_fraction <= 0.95:
             raise ValueError("kv_cache_memory_fraction must be in (0, 0.95]")
+        if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:
+            raise ValueError("max_prompt_tokens must be >= 1")
+        if self.max_mm_pixels_per_prompt is not None and self.max_mm_pixels_per_prompt < 1:
+            raise ValueError("max_mm_pixels_per_prompt must be >= 1")
 
 
 @dataclass(frozen=True)
@@ -150,6 +163,8 @@ class ServerConfig:
     encoder_probe_timeout_s: float = 2.0
     encoder_failure_threshold: int = 3
     encoder_drop_after_s: float = 300.0
+    # Shared with encoders (see mmserve.transport.cluster_auth); None: internal routes are unauthenticated.
+    cluster_secret: str | None = field(default=None, repr=False)
 
     @property
     def mm_limits(self) -> dict[str, int]:
@@ -175,6 +190,7 @@ class EncoderConfig:
     advertise_url: str | None = None  # the URL servers should call; default http://host:port
     mm_processor_kwargs: tuple[tuple[str, object], ...] = ()
     media: MediaConfig = MediaConfig()
+    cluster_secret: str | None = field(default=None, repr=False)  # see mmserve.transport.cluster_auth
 
     @property
     def url(self) -> str:

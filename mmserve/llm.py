@@ -8,17 +8,20 @@ from __future__ import annotations
 
 import io
 import itertools
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
 from mmserve.config import EngineConfig, MediaConfig
 from mmserve.engine.detokenizer import IncrementalDetokenizer
-from mmserve.engine.engine import Engine
+from mmserve.engine.engine import BatchFailed, Engine
 from mmserve.engine.sampling_params import SamplingParams
 from mmserve.models.loader import load_tokenizer, resolve_model_path
 from mmserve.multimodal.items import Modality
 from mmserve.multimodal.media import MediaRef
 from mmserve.multimodal.messages import parse_messages
+
+logger = logging.getLogger("mmserve")
 
 
 @dataclass
@@ -129,7 +132,13 @@ class LLM:
                 self.engine.abort(rid)
             raise
         while self.engine.has_work:
-            for out in self.engine.step():
+            try:
+                outputs = self.engine.step()
+            except BatchFailed:  # those requests ended with finish_reason "error"; the others go on
+                logger.exception("a batch failed")
+                self.engine.check_integrity()
+                continue
+            for out in outputs:
                 det = detoks.get(out.request_id)
                 if det is None or out.token_id is None:
                     continue

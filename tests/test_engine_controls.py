@@ -128,3 +128,36 @@ def test_bad_inputs_raise_clear_errors_and_leave_engine_clean(tiny_qwen2_vl):
     with pytest.raises(ValueError, match="max_tokens"):
         SamplingParams(max_tokens=0)
     assert_idle_and_clean(llm)
+
+
+def test_a_failing_batch_ends_only_its_requests_and_caches_no_garbage(tiny_qwen2_vl, oracle, monkeypatch):
+    """An exception in the forward ends that batch's requests ("error"); the engine, its pools and its
+    prefix cache stay sound, and the same request afterwards gets exactly the reference tokens."""
+    llm = make_llm(tiny_qwen2_vl, max_num_seqs=1)  # one request per batch: the failure hits only the target
+    runner, real = llm.engine.runner, llm.engine.runner.forward
+    target = {"rid": None, "failures": 0}
+
+    def flaky(chunks, pool):
+        for c in chunks:
+            if c.request.request_id == target["rid"] and c.start >= c.request.prompt_len + 2:
+                target["failures"] += 1
+                raise RuntimeError("injected kernel failure")
+        return real(chunks, pool)
+
+    monkeypatch.setattr(runner, "forward", flaky)
+    other = image_case([62], "Another request.")
+    target["rid"] = "llm-0"  # the id LLM gives its first request
+    outs = llm.chat([CASES[0].messages, other.messages], [greedy(), greedy()])
+    assert target["failures"] == 1
+    assert outs[0].finish_reason == "error" and len(outs[0].token_ids) == 3  # two decodes, then the failure
+    assert outs[0].token_ids == oracle(CASES[0]).token_ids[:3]
+    assert outs[1].token_ids == oracle(other).token_ids and outs[1].finish_reason == "length"
+    # Only KV written by successful steps is cached: the prompt and the two decoded tokens, not the failed one.
+    prompt = outs[0].prompt_token_ids
+    cached = llm.engine.scheduler.prefix_cache.match(prompt + outs[0].token_ids).num_tokens
+    assert cached == len(prompt) + 2
+    target["rid"] = None
+    again = tokens(llm)[0]  # its prompt is in the prefix cache: the cached KV must be the good one
+    assert again == oracle(CASES[0]).token_ids
+    assert llm.engine.scheduler.stats.prefix_hit_tokens > 0
+    assert_idle_and_clean(llm)

@@ -162,7 +162,7 @@ def test_round_robin_computes_a_repeated_image_twice(tiny_qwen2_vl, logs):
 
 # -- language-only: no vision weights, encoder faults ----------------------------------------------------
 class FakeEncoder:
-    """A loopback HTTP encoder that is healthy but hangs (or answers 503) on /encode."""
+    """A loopback HTTP encoder that is healthy but hangs (or answers 503 / 422) on /encode."""
 
     def __init__(self, mode: str) -> None:
         handler = self._handler(mode)
@@ -189,8 +189,11 @@ class FakeEncoder:
                 self.rfile.read(int(self.headers.get("Content-Length", 0)))
                 if mode == "hang":
                     time.sleep(8)  # past the dispatcher's attempt timeout; bounded so the thread ends
-                self.send_response(503)
+                # 422: an encoder of another version rejecting the job's schema; it pushes no error part.
+                self.send_response(422 if mode == "422" else 503)
+                self.send_header("Content-Type", "application/json")
                 self.end_headers()
+                self.wfile.write(b'{"detail": "validation error"}')
 
         return Handler
 
@@ -199,7 +202,7 @@ class FakeEncoder:
         self.server.server_close()
 
 
-@pytest.mark.parametrize("mode", ["hang", "503"])
+@pytest.mark.parametrize("mode", ["hang", "503", "422"])
 def test_faulty_encoder_fails_over_to_a_healthy_one(tiny_qwen2_vl, expected, logs, mode):
     fake = FakeEncoder(mode)
     real = start_encoder(tiny_qwen2_vl, "--mm-processor-kwargs", MM_KWARGS, log_dir=logs)

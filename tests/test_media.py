@@ -658,6 +658,37 @@ def test_allowed_media_domains() -> None:
     assert len(rec.requests) == 2
 
 
+def test_host_overrides_pin_addresses_and_are_still_checked() -> None:
+    """--media-resolve answers before DNS (the resolver is never asked) and its address is still checked."""
+    cfg = dataclasses.replace(CFG, media_host_overrides=(("cdn.test", PUBLIC_IP), ("evil.test", "10.9.8.7")))
+    resolver = _resolver({})  # any DNS lookup would fail
+    rec = _Recorder()
+    assert (
+        load_bytes(MediaRef.parse("http://CDN.test./x"), cfg, resolver=resolver, transport=rec.transport)
+        == b"ok"
+    )
+    assert rec.requests[0].url.host == PUBLIC_IP and rec.requests[0].headers["host"].lower() == "cdn.test."
+    with pytest.raises(MediaForbiddenError, match="private address 10.9.8.7"):
+        load_bytes(MediaRef.parse("http://evil.test/x"), cfg, resolver=resolver, transport=rec.transport)
+    assert len(rec.requests) == 1
+
+
+def test_allowed_media_networks_open_only_those_networks() -> None:
+    cfg = dataclasses.replace(CFG, allowed_media_networks=("10.20.0.0/16",))
+    resolver = _resolver(
+        {"intranet.test": ["10.20.1.2"], "other.test": ["10.21.0.1"], "meta.test": ["169.254.169.254"]}
+    )
+    rec = _Recorder()
+    assert (
+        load_bytes(MediaRef.parse("http://intranet.test/x"), cfg, resolver=resolver, transport=rec.transport)
+        == b"ok"
+    )
+    for host in ("other.test", "meta.test"):
+        with pytest.raises(MediaForbiddenError, match=host):
+            load_bytes(MediaRef.parse(f"http://{host}/x"), cfg, resolver=resolver, transport=rec.transport)
+    assert len(rec.requests) == 1
+
+
 def test_redirect_limit_and_resolution_failure() -> None:
     rec = _Recorder(redirect_to="/again")
     resolver = _resolver({"public.test": [PUBLIC_IP]})

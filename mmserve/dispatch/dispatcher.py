@@ -3,7 +3,9 @@
 `plan` splits a request's items over healthy encoders with the routing policy (routing key: hash of the
 item's bytes, or its URL). `run` POSTs one `/encode` job per part and decides each part's fate:
 - 200: delivered to the engine by the encoder; done.
-- 400/413: bad media; the encoder pushed an error part and the engine fails the request (no retry).
+- 400/413: bad media; the encoder pushed an error part and the engine fails the request (no retry). Other
+  4xx (nothing pushed: e.g. 422 from an encoder of another version, 401 from one with another secret) fail
+  the attempt like a 5xx.
 - 503 (overloaded), 5xx, connection refused, timeout: retried once on another healthy encoder; then encoded
   by the engine itself when it has a vision tower (`LocalEncodeReq`); otherwise the request is failed with
   503 / 502 / 504 naming the cause (`FailReq`).
@@ -43,14 +45,14 @@ class PartFailure:
 
 class Dispatcher:
     def __init__(self, registry: EncoderRegistry, policy: RoutingPolicy, engine, embedding_endpoint: str,
-                 engine_has_vision: bool, attempt_timeout_s: float) -> None:  # fmt: skip
+                 engine_has_vision: bool, attempt_timeout_s: float, headers: dict[str, str] | None = None) -> None:  # fmt: skip
         self.registry = registry
         self.policy = policy
         self.engine = engine  # EngineClient: send LocalEncodeReq / FailReq
         self.embedding_endpoint = embedding_endpoint
         self.engine_has_vision = engine_has_vision
         self.attempt_timeout_s = attempt_timeout_s
-        self.http = httpx.AsyncClient(timeout=attempt_timeout_s)
+        self.http = httpx.AsyncClient(timeout=attempt_timeout_s, headers=headers)  # headers: cluster token
         self.failovers = 0
         self.local_fallbacks = 0
 
@@ -125,8 +127,16 @@ class Dispatcher:
         if r.status_code == 200:
             self.registry.record_success(url)
             return int(r.json().get("cache_hits", 0))
-        if 400 <= r.status_code < 500:
+        if r.status_code == 401:  # a misconfigured encoder (other secret): treat it as failed, loudly
+            self.registry.record_failure(url)
+            logger.error("encoder %s refused our cluster token: the cluster secrets differ", url)
+            return PartFailure(502, "encoder_auth_failed", f"encoder {url} refused the cluster token")
+        if 400 <= r.status_code < 500 and _error_part_pushed(r):
             return 0  # bad media: the encoder pushed an error part, the engine ends the request with it
+        if 400 <= r.status_code < 500:  # e.g. 422 from an encoder of another version: nothing was pushed
+            self.registry.record_failure(url)
+            return PartFailure(502, "encoder_error", f"encoder {url} refused the job: HTTP {r.status_code} "
+                                                     f"{r.text[:200]}")  # fmt: skip
         if r.status_code == 503:
             return PartFailure(503, "encoders_overloaded", f"encoder {url} is overloaded")
         self.registry.record_failure(url)
@@ -152,6 +162,13 @@ class Dispatcher:
             self.registry.record_success(url, r.json().get("cache"))
         else:
             self.registry.record_failure(url)
+
+
+def _error_part_pushed(r: httpx.Response) -> bool:
+    try:
+        return bool(r.json()["error"]["part_pushed"])
+    except (ValueError, KeyError, TypeError):
+        return False
 
 
 def _routing_key(item: m.MediaItemMsg) -> bytes:

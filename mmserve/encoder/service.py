@@ -20,7 +20,7 @@ import time
 from typing import Any
 
 import httpx
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from PIL import Image
 from pydantic import BaseModel, Field
@@ -34,6 +34,7 @@ from mmserve.multimodal.cache import EmbeddingCache
 from mmserve.multimodal.errors import MediaError
 from mmserve.multimodal.items import Modality
 from mmserve.multimodal.media import MediaRef
+from mmserve.transport.cluster_auth import HTTP_HEADER, ClusterSecret
 from mmserve.transport.embedding_wire import EmbeddingItem, PartError, encode_error, encode_part
 from mmserve.transport.zmq_channel import EmbeddingSender, SendTimeout
 
@@ -66,7 +67,8 @@ class EncoderService:
                                     cfg.max_batch_items, cfg.max_batch_wait_ms)  # fmt: skip
         self.cache = EmbeddingCache(cfg.embedding_cache_mb)
         self.encoder = MultimodalEncoder(BatchedTower(self.batcher), self.processor, self.cache, cfg.media)
-        self.sender = EmbeddingSender(cfg.send_timeout_s)
+        self.secret = ClusterSecret(cfg.cluster_secret.encode()) if cfg.cluster_secret else None
+        self.sender = EmbeddingSender(cfg.send_timeout_s, signer=self.secret)
         self.metrics = EncoderMetrics()
         self.pending = 0
 
@@ -86,8 +88,8 @@ class EncoderService:
             except MediaError as e:
                 self.metrics.requests.labels(it.modality.value, str(e.status)).inc()
                 message = f"{it.modality.value} item {it.item_index}: {e}"
-                self._push_error(job, PartError(e.status, e.code, message))
-                return e.status, {"error": {"message": message, "code": e.code}}
+                pushed = self._push_error(job, PartError(e.status, e.code, message))
+                return e.status, {"error": {"message": message, "code": e.code, "part_pushed": pushed}}
             except Exception as e:  # the dispatcher retries elsewhere: push nothing
                 logger.exception("job %s part %d failed", job.request_id, job.part_index)
                 self.metrics.requests.labels(it.modality.value, "500").inc()
@@ -109,12 +111,15 @@ class EncoderService:
             self.metrics.requests.labels(it.modality.value, "200").inc()
         return 200, {"items": len(items), "cache_hits": timings.hits, "encoder": self.cfg.url}
 
-    def _push_error(self, job: EncodeJob, error: PartError) -> None:
+    def _push_error(self, job: EncodeJob, error: PartError) -> bool:
+        """Tells the engine the part failed for a client reason; returns whether the part was handed over."""
         try:
             self.sender.send(job.reply_endpoint, encode_error(job.request_id, job.part_index, job.num_parts,
                                                               self.cfg.url, error))  # fmt: skip
         except SendTimeout:
             logger.warning("could not push an error part for %s to %s", job.request_id, job.reply_endpoint)
+            return False
+        return True
 
     def health_probe(self) -> None:
         """A real tiny encode through the batcher (bypassing the cache). Raises on failure."""
@@ -130,6 +135,15 @@ class EncoderService:
 def build_encoder_app(service: EncoderService) -> FastAPI:
     app = FastAPI(title="mmserve encoder")
     cfg = service.cfg
+
+    @app.middleware("http")
+    async def _cluster_auth(request: Request, call_next):
+        # Before the body is parsed: an unauthenticated caller learns nothing about the job schema.
+        if request.url.path == "/encode" and service.secret is not None:
+            if not service.secret.check_token(request.headers.get(HTTP_HEADER)):
+                return JSONResponse({"error": {"message": f"missing or invalid {HTTP_HEADER} (cluster secret)",
+                                               "code": "invalid_cluster_token"}}, status_code=401)  # fmt: skip
+        return await call_next(request)
 
     @app.post("/encode")
     async def encode(job: EncodeJob):
@@ -168,7 +182,8 @@ async def register_loop(cfg: EncoderConfig, stop: asyncio.Event) -> None:
     was explicitly unregistered there.
     """
     registered: set[str] = set()
-    async with httpx.AsyncClient(timeout=5.0) as client:
+    headers = ClusterSecret(cfg.cluster_secret.encode()).headers if cfg.cluster_secret else {}
+    async with httpx.AsyncClient(timeout=5.0, headers=headers) as client:
         while not stop.is_set():
             for base in cfg.register_urls:
                 body = {"url": cfg.url, "heartbeat": base in registered}
@@ -176,6 +191,8 @@ async def register_loop(cfg: EncoderConfig, stop: asyncio.Event) -> None:
                     r = await client.post(base.rstrip("/") + "/register_encoder", json=body)
                     if r.status_code == 200:
                         registered.add(base)
+                    elif r.status_code == 401:
+                        logger.error("%s refused our registration: the cluster secrets differ", base)
                 except httpx.HTTPError as e:
                     logger.info("registration with %s failed: %s", base, e)
             try:

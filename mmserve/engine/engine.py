@@ -27,11 +27,19 @@ from mmserve.engine.scheduler import Scheduler, SchedulerConfig
 from mmserve.models.loader import load_hf_config, load_processor, load_vision_tower, parse_dtype
 from mmserve.multimodal.cache import EmbeddingCache
 from mmserve.multimodal.embedding import PlacedEmbedding
-from mmserve.multimodal.errors import EncoderUnavailableError, MediaError
+from mmserve.multimodal.errors import EncoderUnavailableError, MediaError, MediaTooLargeError
 from mmserve.multimodal.items import Modality
 from mmserve.multimodal.media import MediaRef
 
 logger = logging.getLogger(__name__)
+
+
+class BatchFailed(RuntimeError):
+    """A step's forward or sampling raised; the batch's requests were ended with finish reason "error"."""
+
+    def __init__(self, request_ids: list[str], cause: Exception) -> None:
+        super().__init__(f"step failed for {len(request_ids)} request(s): {type(cause).__name__}: {cause}")
+        self.request_ids = request_ids
 
 
 @dataclass
@@ -126,8 +134,13 @@ class Engine:
         timings = EncodeTimings()
         if encoded is None:
             encoded = self.encode(media or [], timings)
+        self._check_pixels(encoded)
         items = [e.to_item() for e in encoded]
         expanded = self.processor.expand(prompt_token_ids, items)
+        limit = self.cfg.max_prompt_tokens
+        if limit is not None and len(expanded.token_ids) > limit:
+            raise ValueError(f"prompt has {len(expanded.token_ids)} tokens (media expanded); this server allows "
+                             f"at most {limit} (--max-prompt-tokens)")  # fmt: skip
         self.scheduler.check_fits(len(expanded.token_ids), params.max_tokens)
         positions, rope_delta = self.processor.positions(expanded)
         by_hash = {e.content_hash: e for e in encoded}
@@ -141,6 +154,16 @@ class Engine:
         self.requests[request_id] = req
         return req
 
+    def _check_pixels(self, encoded: list[EncodedItem]) -> None:
+        """Raises MediaTooLargeError (413) if the request's media exceed --max-mm-pixels-per-prompt."""
+        limit = self.cfg.max_mm_pixels_per_prompt
+        if limit is None or not encoded:
+            return
+        total = sum(self.processor.input_pixels(e.modality, e.grid_thw) for e in encoded)
+        if total > limit:
+            raise MediaTooLargeError(f"the request's media are {total} pixels after resizing; this server allows "
+                                     f"at most {limit} per request (--max-mm-pixels-per-prompt)")  # fmt: skip
+
     def abort(self, request_id: str, reason: str = "abort") -> None:
         """End a request now, freeing all it holds. Unknown or finished ids are ignored."""
         req = self.requests.pop(request_id, None)
@@ -153,9 +176,20 @@ class Engine:
 
     # -- one step -------------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
+        """One forward over the next batch. Raises BatchFailed (its requests already ended) if the forward or
+        the sampler fails: one bad batch must not take the whole engine down."""
         chunks = self.scheduler.schedule()
         if not chunks:
             return []
+        try:
+            return self._run(chunks)
+        except Exception as e:
+            for chunk in chunks:
+                self.scheduler.fail(chunk)
+                self.requests.pop(chunk.request.request_id, None)
+            raise BatchFailed([c.request.request_id for c in chunks], e) from e
+
+    def _run(self, chunks: list) -> list[StepOutput]:
         logits = self.runner.forward(chunks, self.pool)
         for chunk in chunks:  # share finished prompts now, not at the end: concurrent requests reuse them
             if chunk.start < chunk.request.prompt_len <= chunk.end:

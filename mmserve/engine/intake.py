@@ -22,11 +22,13 @@ from mmserve.multimodal.errors import MediaError
 from mmserve.multimodal.items import Modality
 from mmserve.multimodal.media import MediaRef
 from mmserve.transport import messages as m
+from mmserve.transport.cluster_auth import ClusterSecret, PartRejected, PartVerifier
 from mmserve.transport.embedding_wire import WIRE_VERSION, EmbeddingItem, PartError, PartHeader, WireError
 from mmserve.transport.zmq_channel import EmbeddingReceiver
 
 logger = logging.getLogger("mmserve.engine")
 IN_PROCESS = "engine (in-process)"
+MEDIA_WORKERS = 4
 
 
 def media_refs(items: list[m.MediaItemMsg]) -> list[tuple[Modality, MediaRef]]:
@@ -35,17 +37,22 @@ def media_refs(items: list[m.MediaItemMsg]) -> list[tuple[Modality, MediaRef]]:
 
 
 class Intake:
-    def __init__(self, engine: Engine, embedding_bind: str = "tcp://127.0.0.1:0") -> None:
+    def __init__(
+        self, engine: Engine, embedding_bind: str = "tcp://127.0.0.1:0", secret: ClusterSecret | None = None
+    ) -> None:
         self.engine = engine
-        self.receiver = EmbeddingReceiver(embedding_bind)
+        self.receiver = EmbeddingReceiver(embedding_bind, verifier=PartVerifier(secret) if secret else None)
         self.assembler = PartAssembler()
-        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mm-encode")
+        # Several workers so that one slow download (up to --media-fetch-timeout-s) does not hold up every
+        # other request's media; the tower itself stays serialized behind the engine's TowerBatcher.
+        self.pool = ThreadPoolExecutor(max_workers=MEDIA_WORKERS, thread_name_prefix="mm-encode")
         self.done: queue.Queue = (
             queue.Queue()
         )  # results of worker-thread encodes, consumed by the loop thread
         self.requests: dict[str, tuple[m.GenerateReq, float]] = {}  # waiting for media, with arrival time
         self.encode_seconds_total = 0.0
         self.parts_malformed = 0
+        self.parts_rejected = {"forged": 0, "replayed": 0}  # failed cluster authentication
 
     @property
     def num_waiting(self) -> int:
@@ -122,6 +129,10 @@ class Intake:
         while True:  # encoder pushes
             try:
                 part = self.receiver.recv_part(0)
+            except PartRejected as e:
+                self.parts_rejected[e.reason] += 1
+                logger.warning("dropped an embedding part failing authentication: %s", e)
+                continue
             except WireError as e:
                 self.parts_malformed += 1
                 logger.warning("dropped a malformed embedding part: %s", e)
@@ -176,6 +187,8 @@ class Intake:
             engine_req = self.engine.add_request(rid, list(req.prompt_token_ids), params, encoded=result)
         except ValueError as e:
             return [m.ErrorMsg(rid, 400, "invalid_request", str(e))]
+        except MediaError as e:  # per-request media limits
+            return [m.ErrorMsg(rid, e.status, e.code, str(e))]
         engine_req.encode_timings = timings
         waited = time.perf_counter() - arrived
         hits = timings.hits if timings is not None else 0

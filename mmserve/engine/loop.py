@@ -25,11 +25,12 @@ import msgspec
 import zmq
 
 from mmserve.config import EngineConfig, MediaConfig
-from mmserve.engine.engine import Engine
+from mmserve.engine.engine import BatchFailed, Engine
 from mmserve.engine.intake import Intake
 from mmserve.engine.kv_pool import KVPool
 from mmserve.models.loader import parse_dtype
 from mmserve.transport import messages as m
+from mmserve.transport.cluster_auth import ClusterSecret, resolve_secret
 
 logger = logging.getLogger("mmserve.engine")
 STATS_INTERVAL_S = 0.25
@@ -45,12 +46,16 @@ def engine_config_from_json(text: str) -> EngineConfig:
     raw = json.loads(text)
     media = raw.pop("media")
     media["allowed_media_domains"] = tuple(media.get("allowed_media_domains") or ())
+    media["allowed_media_networks"] = tuple(media.get("allowed_media_networks") or ())
+    media["media_host_overrides"] = tuple(tuple(kv) for kv in media.get("media_host_overrides") or ())
     raw["mm_processor_kwargs"] = tuple(tuple(kv) for kv in raw.get("mm_processor_kwargs") or ())
     return EngineConfig(media=MediaConfig(**media), **raw)
 
 
 class EngineLoop:
-    def __init__(self, engine: Engine, input_addr: str, output_addr: str) -> None:
+    def __init__(
+        self, engine: Engine, input_addr: str, output_addr: str, secret: ClusterSecret | None = None
+    ) -> None:
         self.engine = engine
         self.ctx = zmq.Context()
         self.input = self.ctx.socket(zmq.PULL)
@@ -60,7 +65,7 @@ class EngineLoop:
         self.output.connect(output_addr)
         self.decoder = msgspec.msgpack.Decoder(m.ToEngine)
         self.encoder = msgspec.msgpack.Encoder()
-        self.intake = Intake(engine)
+        self.intake = Intake(engine, secret=secret)
         self.parent_pid = os.getppid()
         self.running = True
 
@@ -79,7 +84,14 @@ class EngineLoop:
             self.intake.abort(msg.request_id)
             self.engine.abort(msg.request_id)
         elif isinstance(msg, m.PingReq):
-            self.send(self.stats(msg.nonce))
+            stats = self.stats(msg.nonce)
+            if msg.check_integrity:
+                try:
+                    self.engine.check_integrity()
+                    stats.integrity_error = ""
+                except AssertionError as e:
+                    stats.integrity_error = str(e) or "integrity check failed"
+            self.send(stats)
         elif isinstance(msg, m.ShutdownReq):
             self.running = False
 
@@ -89,7 +101,19 @@ class EngineLoop:
 
     # -- outputs ------------------------------------------------------------------------------------
     def step(self) -> None:
-        for out in self.engine.step():
+        try:
+            outputs = self.engine.step()
+        except BatchFailed as e:
+            # The batch's requests are ended (500); everyone else goes on. If the failure left the pools or
+            # caches inconsistent, continuing would corrupt other requests: crash, and the server exits 1.
+            logger.exception("%s", e)
+            self.engine.check_integrity()
+            for rid in e.request_ids:
+                self.send(
+                    m.ErrorMsg(rid, 500, "internal_error", f"the engine failed on this request's batch: {e}")
+                )
+            return
+        for out in outputs:
             req = out.request_id
             msg = m.TokensMsg(req, [out.token_id] if out.token_id is not None else [], out.finish_reason)
             r = out.request
@@ -109,13 +133,15 @@ class EngineLoop:
             + r.dropped_invalid
             + r.dropped_duplicate
             + intake.parts_malformed
+            + sum(intake.parts_rejected.values())
         )
         return m.StatsMsg(
             num_running=len(e.scheduler.running), num_waiting=len(e.scheduler.waiting) + intake.num_waiting,
             kv_cache_usage=e.pool.usage, prefix_cache_queries=e.scheduler.stats.prefix_queries_tokens,
             prefix_cache_hits=e.scheduler.stats.prefix_hit_tokens, mm_cache_queries=cache.queries if cache else 0,
             mm_cache_hits=cache.hits if cache else 0, encode_seconds_total=intake.encode_seconds_total, nonce=nonce,
-            parts_received=r.parts, parts_dropped=dropped,
+            parts_received=r.parts, parts_dropped=dropped, kv_slots_used=e.pool.num_used,
+            parts_forged=intake.parts_rejected["forged"], parts_replayed=intake.parts_rejected["replayed"],
         )  # fmt: skip
 
     def run(self) -> None:
@@ -186,7 +212,9 @@ def main(argv: list[str] | None = None) -> int:
     # The API server owns shutdown: it sends ShutdownReq or SIGTERM; Ctrl-C in the terminal reaches the whole
     # process group, so the engine ignores SIGINT and lets the server stop it in order.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    loop = EngineLoop(Engine(engine_config_from_json(args.config)), args.input_addr, args.output_addr)
+    # The cluster secret comes through the environment: argv is visible to every user of the machine.
+    secret = resolve_secret(None)
+    loop = EngineLoop(Engine(engine_config_from_json(args.config)), args.input_addr, args.output_addr, secret)
     signal.signal(signal.SIGTERM, lambda *_: setattr(loop, "running", False))
     loop.run()
     return 0

@@ -60,6 +60,8 @@ def _filtered_sorted_probs(
     """Apply temperature, top-k, top-p and min-p; return probabilities sorted descending and their ids."""
     device = logits.device
     temperature = torch.tensor([p.temperature for p in params], device=device).unsqueeze(1)
+    # A temperature below float32's range (1e-320) becomes 0 here and 0 / 0 = nan would crash sampling.
+    temperature = temperature.clamp_min(torch.finfo(temperature.dtype).tiny)
     # Shift so the max is 0 before dividing: a tiny temperature then yields -inf tails, never inf - inf.
     scaled = (logits - logits.max(dim=-1, keepdim=True).values) / temperature
     # A stable sort makes the order (and hence seeded sampling) deterministic on tied logits.

@@ -175,6 +175,17 @@ class Scheduler:
         self.stats.retractions += 1
         self.waiting.appendleft(req)
 
+    def fail(self, chunk: ScheduledChunk) -> None:
+        """End a request whose step failed. This step's KV may be garbage: its slots are freed uncached, and
+        only the tokens computed by earlier (successful) steps can enter the prefix cache."""
+        req = chunk.request
+        if req.finished:
+            return
+        if req.status == RequestStatus.RUNNING and req.num_computed == chunk.end:
+            self.pool.free(req.slot_buffer[chunk.start : chunk.end])
+            req.num_computed = chunk.start
+        self.finish(req, "error")
+
     def finish(self, req: Request, reason: str) -> None:
         """End a request (stop / length / abort): frees everything it holds, at once."""
         if req.finished:

@@ -241,8 +241,9 @@ def _resolve_safe(url: httpx.URL, cfg: MediaConfig, resolver: Resolver) -> str:
         raise MediaFetchError(f"URL {url} has no host")
     if not _host_allowed(host, cfg.allowed_media_domains):
         raise MediaForbiddenError(f"host {host!r} is not in the allowed media domains")
+    pinned = dict(cfg.media_host_overrides).get(host.rstrip(".").lower())
     try:
-        ips = [ipaddress.ip_address(host)]
+        ips = [ipaddress.ip_address(pinned or host)]
     except ValueError:
         try:
             ips = [ipaddress.ip_address(ip) for ip in resolver(host, url.port or _default_port(url))]
@@ -251,7 +252,10 @@ def _resolve_safe(url: httpx.URL, cfg: MediaConfig, resolver: Resolver) -> str:
     if not ips:
         raise MediaFetchError(f"host {host!r} resolved to no addresses")
     if not cfg.allow_private_urls:
+        allowed = [ipaddress.ip_network(n, strict=False) for n in cfg.allowed_media_networks]
         for ip in ips:
+            if any(ip in net for net in allowed):
+                continue
             if (reason := forbidden_address_class(ip)) is not None:
                 raise MediaForbiddenError(f"host {host!r} resolves to {reason} address {ip}")
     return str(ips[0])

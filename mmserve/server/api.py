@@ -14,6 +14,8 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic.json_schema import models_json_schema
+from starlette.exceptions import HTTPException
 
 from mmserve.config import ServerConfig
 from mmserve.multimodal.errors import MediaError
@@ -22,9 +24,22 @@ from mmserve.server.engine_client import EngineClient
 from mmserve.server.metrics import ServerMetrics
 from mmserve.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, usage
 from mmserve.server.serving import Generation
+from mmserve.transport.cluster_auth import HTTP_HEADER, ClusterSecret
 from mmserve.transport.messages import MediaItemMsg
 
 DISCONNECT_POLL_S = 0.5
+
+# The OpenAI handlers read the raw Request (to answer bad JSON with our own 400), so FastAPI cannot infer
+# their body schemas: `openapi_extra` references these, and `build_app` adds them to /openapi.json.
+_BODY_REFS, _BODY_SCHEMAS = models_json_schema(
+    [(ChatCompletionRequest, "validation"), (CompletionRequest, "validation")],
+    ref_template="#/components/schemas/{model}",
+)
+
+
+def _json_body(model: type) -> dict[str, Any]:
+    schema = _BODY_REFS[(model, "validation")]
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
 
 
 class BodyLimitMiddleware:
@@ -79,6 +94,21 @@ def build_app(
     async def _api_error(_: Request, err: APIError):
         return error_response(err)
 
+    @app.exception_handler(HTTPException)
+    async def _http_error(_: Request, err: HTTPException):
+        # Unknown paths (404) and methods (405) get the same error shape as every other answer.
+        code = {404: "not_found", 405: "method_not_allowed"}.get(err.status_code, "http_error")
+        return error_response(APIError(err.status_code, f"{err.detail}", code, headers=err.headers))
+
+    fastapi_openapi = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        schema = fastapi_openapi()  # built once and cached by FastAPI; adding the body models is idempotent
+        schema.setdefault("components", {}).setdefault("schemas", {}).update(_BODY_SCHEMAS["$defs"])
+        return schema
+
+    app.openapi = openapi
+
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, err: RequestValidationError):
         problems = []
@@ -104,11 +134,16 @@ def build_app(
             raise APIError(404, f"model {name!r} does not exist; this server serves {cfg.served_model_name!r}",
                            "model_not_found")  # fmt: skip
 
+    # NOTE: a request counts in `client.num_in_flight` only once its engine stream starts, a few event-loop
+    # steps after `check_capacity`; `admitting` covers that gap, else a burst arriving at once all passes.
+    admitting: set[str] = set()
+
     def check_capacity() -> None:
         if client.dead:
             raise APIError(503, "the engine process is not running", "engine_unavailable")
         # The API server's own in-flight count is exact and immediate (engine stats lag by a step).
-        if client.num_in_flight >= client.cfg.max_num_seqs + cfg.max_waiting_requests:
+        starting = sum(1 for rid in admitting if not client.is_in_flight(rid))
+        if client.num_in_flight + starting >= client.cfg.max_num_seqs + cfg.max_waiting_requests:
             raise APIError(
                 503, "server is at capacity; retry later", "queue_full", headers={"Retry-After": "1"}
             )
@@ -119,6 +154,15 @@ def build_app(
             raise APIError(400, f"max_tokens={requested} is not below the model's context length ({max_model_len})",
                            "invalid_parameter")  # fmt: skip
         return requested
+
+    def tokenize(text: str) -> list[int]:
+        # JSON allows a lone "\ud800" escape, which is not text: the tokenizer would raise TypeError (a 500).
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise APIError(400, "the prompt contains an unpaired UTF-16 surrogate (not valid Unicode text)",
+                           "invalid_prompt") from e  # fmt: skip
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
 
     async def parse(request: Request, model_cls):
         try:
@@ -148,7 +192,7 @@ def build_app(
         return {"object": "list", "data": [{"id": cfg.served_model_name, "object": "model", "created": int(time.time()),
                                             "owned_by": "mmserve", "max_model_len": max_model_len}]}  # fmt: skip
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=_json_body(ChatCompletionRequest))
     async def chat(request: Request):
         body: ChatCompletionRequest = await parse(request, ChatCompletionRequest)
         check_model(body.model)
@@ -166,16 +210,16 @@ def build_app(
             text = tokenizer.apply_chat_template(template, add_generation_prompt=True, tokenize=False)
         except Exception as e:  # a template that rejects the conversation (e.g. bad role order)
             raise APIError(400, f"chat template failed: {e}", "invalid_messages") from e
-        prompt_ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        prompt_ids = tokenize(text)
         items = [MediaItemMsg(mod.value, url=ref.url, data=ref.data) for mod, ref in media]
         return await generate(request, body, "chat", prompt_ids, items)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=_json_body(CompletionRequest))
     async def completions(request: Request):
         body: CompletionRequest = await parse(request, CompletionRequest)
         check_model(body.model)
         if isinstance(body.prompt, str):
-            prompt_ids = tokenizer(body.prompt, add_special_tokens=False)["input_ids"]
+            prompt_ids = tokenize(body.prompt)
         elif all(isinstance(t, int) for t in body.prompt):
             prompt_ids = list(body.prompt)
             vocab = len(tokenizer)
@@ -195,7 +239,11 @@ def build_app(
         check_capacity()
         gen = Generation(client, tokenizer, metrics, f"{kind}-{uuid.uuid4().hex[:12]}-{next(ids)}", prompt_ids,
                          items, params, max_tokens, dispatcher)  # fmt: skip
-        await run_with_disconnect(request, gen.start())
+        admitting.add(gen.request_id)
+        try:
+            await run_with_disconnect(request, gen.start())
+        finally:
+            admitting.discard(gen.request_id)
         created, model = int(time.time()), cfg.served_model_name
         if body.stream:
             return StreamingResponse(stream(gen, kind, created, model, body.include_usage),
@@ -248,14 +296,24 @@ def build_app(
 
     # -- encoder registry -------------------------------------------------------------------------
     async def encoder_url(request: Request) -> tuple[str, dict]:
-        body = await request.json()
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise APIError(400, f"request body is not valid JSON: {e}", "invalid_json") from e
         url = body.get("url") if isinstance(body, dict) else None
         if not isinstance(url, str) or not url.startswith(("http://", "https://")):
             raise APIError(400, 'body must be {"url": "http(s)://host:port"}', "invalid_encoder_url")
         return url.rstrip("/"), body
 
+    secret = ClusterSecret(cfg.cluster_secret.encode()) if cfg.cluster_secret else None
+
+    def check_cluster_token(request: Request) -> None:
+        if secret is not None and not secret.check_token(request.headers.get(HTTP_HEADER)):
+            raise APIError(401, f"missing or invalid {HTTP_HEADER} (cluster secret)", "invalid_cluster_token")
+
     @app.post("/register_encoder")
     async def register_encoder(request: Request):
+        check_cluster_token(request)
         url, body = await encoder_url(request)
         registry = dispatcher.registry
         if body.get("heartbeat") and registry.is_unregistered(url):
@@ -269,6 +327,7 @@ def build_app(
 
     @app.post("/unregister_encoder")
     async def unregister_encoder(request: Request):
+        check_cluster_token(request)
         url, _ = await encoder_url(request)
         if not dispatcher.registry.unregister(url):
             raise APIError(404, f"encoder {url} is not registered", "encoder_not_found")
@@ -282,11 +341,21 @@ def build_app(
 
     # -- operations -------------------------------------------------------------------------------
     @app.get("/health")
-    async def health():
-        stats = await client.ping(timeout_s=2.0)
+    async def health(check_integrity: bool = False):
+        """200 while the engine answers. `?check_integrity=true` also checks the engine's KV pool, prefix
+        cache and embedding cache invariants (500 if broken) and reports their occupancy."""
+        stats = await client.ping(timeout_s=2.0, check_integrity=check_integrity)
         if stats is None:
             return JSONResponse({"status": "unhealthy", "reason": "engine did not answer"}, status_code=503)
-        return {"status": "ok"}
+        if not check_integrity:
+            return {"status": "ok"}
+        body = {"status": "ok" if stats.integrity_error == "" else "corrupt",
+                "integrity_error": stats.integrity_error or None, "kv_slots_used": stats.kv_slots_used,
+                "num_running": stats.num_running, "num_waiting": stats.num_waiting,
+                "in_flight": client.num_in_flight, "parts_received": stats.parts_received,
+                "parts_dropped": stats.parts_dropped, "parts_forged": stats.parts_forged,
+                "parts_replayed": stats.parts_replayed}  # fmt: skip
+        return JSONResponse(body, status_code=200 if stats.integrity_error == "" else 500)
 
     @app.get("/metrics")
     async def prometheus():

@@ -7,6 +7,7 @@ and stopped with the server (SIGTERM, then SIGKILL).
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
 import subprocess
 import sys
@@ -14,6 +15,7 @@ import sys
 import httpx
 
 from mmserve.config import EngineConfig
+from mmserve.transport.cluster_auth import ENV_VAR
 
 
 def _free_port() -> int:
@@ -23,7 +25,9 @@ def _free_port() -> int:
 
 
 class EncoderWorkers:
-    def __init__(self, engine_cfg: EngineConfig, count: int, log_level: str) -> None:
+    def __init__(
+        self, engine_cfg: EngineConfig, count: int, log_level: str, cluster_secret: str | None = None
+    ) -> None:
         self.procs: list[subprocess.Popen] = []
         self.urls: list[str] = []
         media = engine_cfg.media
@@ -40,11 +44,19 @@ class EncoderWorkers:
                 cmd += ["--allowed-media-domains", *media.allowed_media_domains]
             if media.allow_private_urls:
                 cmd.append("--allow-private-media-urls")
+            if media.allowed_media_networks:
+                cmd += ["--allowed-media-networks", *media.allowed_media_networks]
+            if media.media_host_overrides:
+                cmd += ["--media-resolve", *(f"{host}={ip}" for host, ip in media.media_host_overrides)]
             if engine_cfg.mm_processor_kwargs:
                 import json
 
                 cmd += ["--mm-processor-kwargs", json.dumps(dict(engine_cfg.mm_processor_kwargs))]
-            self.procs.append(subprocess.Popen(cmd))
+            env = dict(os.environ)
+            env.pop(ENV_VAR, None)
+            if cluster_secret:  # through the environment, never argv
+                env[ENV_VAR] = cluster_secret
+            self.procs.append(subprocess.Popen(cmd, env=env))
             self.urls.append(f"http://127.0.0.1:{port}")
 
     async def wait_healthy(self, timeout_s: float) -> None:

@@ -22,6 +22,7 @@ import zmq.asyncio
 
 from mmserve.config import EngineConfig
 from mmserve.transport import messages as m
+from mmserve.transport.cluster_auth import ENV_VAR
 
 logger = logging.getLogger("mmserve.server")
 
@@ -31,10 +32,10 @@ class EngineDeadError(RuntimeError):
 
 
 class EngineClient:
-    def __init__(
-        self, cfg: EngineConfig, log_level: str = "info", on_death: Callable[[], None] | None = None
-    ):
+    def __init__(self, cfg: EngineConfig, log_level: str = "info", on_death: Callable[[], None] | None = None,
+                 cluster_secret: str | None = None):  # fmt: skip
         self.cfg = cfg
+        self.cluster_secret = cluster_secret
         self.log_level = log_level
         self.on_death = on_death
         self.ctx = zmq.asyncio.Context()
@@ -64,7 +65,11 @@ class EngineClient:
 
         cmd = [sys.executable, "-m", "mmserve.engine.loop", "--config", engine_config_to_json(self.cfg),
                "--input-addr", self.input_addr, "--output-addr", self.output_addr, "--log-level", self.log_level]  # fmt: skip
-        self.proc = subprocess.Popen(cmd)
+        env = dict(os.environ)
+        env.pop(ENV_VAR, None)
+        if self.cluster_secret:  # through the environment: argv is visible to every user of the machine
+            env[ENV_VAR] = self.cluster_secret
+        self.proc = subprocess.Popen(cmd, env=env)
         deadline = asyncio.get_running_loop().time() + timeout_s
         while self.ready is None:
             if self.proc.poll() is not None:
@@ -173,14 +178,16 @@ class EngineClient:
         except zmq.ZMQError:
             logger.warning("could not send abort for %s", request_id)
 
-    async def ping(self, timeout_s: float = 2.0) -> m.StatsMsg | None:
-        """Round trip to the engine loop; None if it does not answer in time."""
+    async def ping(self, timeout_s: float = 2.0, check_integrity: bool = False) -> m.StatsMsg | None:
+        """Round trip to the engine loop; None if it does not answer in time.
+
+        With `check_integrity`, the engine also checks its pools and caches (`integrity_error` "" = passed)."""
         if self.dead:
             return None
         nonce = next(self._nonces)
         future = asyncio.get_running_loop().create_future()
         self._pings[nonce] = future
-        await self.to_engine.send(self.encoder.encode(m.PingReq(nonce)))
+        await self.to_engine.send(self.encoder.encode(m.PingReq(nonce, check_integrity)))
         try:
             return await asyncio.wait_for(future, timeout_s)
         except TimeoutError:
@@ -191,3 +198,6 @@ class EngineClient:
     @property
     def num_in_flight(self) -> int:
         return len(self._queues)
+
+    def is_in_flight(self, request_id: str) -> bool:
+        return request_id in self._queues

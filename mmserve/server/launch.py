@@ -20,6 +20,7 @@ from mmserve.dispatch.policy import make_policy
 from mmserve.dispatch.registry import EncoderRegistry, RegistryConfig
 from mmserve.server.encoder_workers import EncoderWorkers
 from mmserve.server.engine_client import EngineClient, EngineDeadError
+from mmserve.transport.cluster_auth import ClusterSecret
 
 logger = logging.getLogger("mmserve.server")
 
@@ -32,8 +33,10 @@ def build_dispatcher(
         probe_interval_s=server_cfg.encoder_probe_interval_s, probe_timeout_s=server_cfg.encoder_probe_timeout_s,
     ))  # fmt: skip
     # Two attempts per part (first encoder, one retry) must fit well inside the engine's deadline.
+    secret = ClusterSecret(server_cfg.cluster_secret.encode()) if server_cfg.cluster_secret else None
     return Dispatcher(registry, make_policy(server_cfg.encoder_routing), client, ready.embedding_endpoint,
-                      ready.has_vision, attempt_timeout_s=engine_cfg.encode_timeout_s / 3)  # fmt: skip
+                      ready.has_vision, attempt_timeout_s=engine_cfg.encode_timeout_s / 3,
+                      headers=secret.headers if secret else None)  # fmt: skip
 
 
 async def serve_async(server_cfg: ServerConfig, engine_cfg: EngineConfig) -> int:
@@ -50,7 +53,8 @@ async def serve_async(server_cfg: ServerConfig, engine_cfg: EngineConfig) -> int
         if server is not None:
             server.should_exit = True
 
-    client = EngineClient(engine_cfg, server_cfg.log_level, on_death=on_engine_death)
+    client = EngineClient(engine_cfg, server_cfg.log_level, on_death=on_engine_death,
+                          cluster_secret=server_cfg.cluster_secret)  # fmt: skip
     try:
         ready = await client.start(server_cfg.engine_start_timeout_s)
     except EngineDeadError as e:
@@ -62,7 +66,9 @@ async def serve_async(server_cfg: ServerConfig, engine_cfg: EngineConfig) -> int
           f"max model len {ready.max_model_len}", flush=True)  # fmt: skip
     tokenizer = load_tokenizer(engine_cfg.model)
     dispatcher = build_dispatcher(server_cfg, engine_cfg, client, ready)
-    workers = EncoderWorkers(engine_cfg, server_cfg.encoder_workers, server_cfg.log_level)
+    workers = EncoderWorkers(
+        engine_cfg, server_cfg.encoder_workers, server_cfg.log_level, server_cfg.cluster_secret
+    )
     try:
         await workers.wait_healthy(server_cfg.engine_start_timeout_s)
     except RuntimeError as e:

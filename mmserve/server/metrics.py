@@ -56,8 +56,10 @@ class ServerMetrics:
         )
         self.parts_received = gauge("embedding_parts_received", "Embedding parts received from encoders")
         self.parts_dropped = gauge(
-            "embedding_parts_dropped", "Parts dropped: stale, unknown, invalid, malformed"
+            "embedding_parts_dropped", "Parts dropped: stale, unknown, invalid, malformed, forged, replayed"
         )
+        self.parts_forged = gauge("embedding_parts_forged", "Parts dropped for a missing or wrong HMAC")
+        self.parts_replayed = gauge("embedding_parts_replayed", "Signed parts dropped as replays or stale")
         self.model_name = model_name
 
     def update_engine(self, stats: StatsMsg | None) -> None:
@@ -73,6 +75,8 @@ class ServerMetrics:
         self.encode_seconds.set(stats.encode_seconds_total)
         self.parts_received.set(stats.parts_received)
         self.parts_dropped.set(stats.parts_dropped)
+        self.parts_forged.set(stats.parts_forged)
+        self.parts_replayed.set(stats.parts_replayed)
 
     def record_error(self, status: int) -> None:
         self.errors.labels(self.model_name, str(status)).inc()

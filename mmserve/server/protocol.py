@@ -6,7 +6,7 @@ with the HTTP status, OpenAI error type and a message naming the parameter.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -39,6 +39,12 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+# Integers travel to the engine in msgpack and int64 tensors: out-of-range values must be a 400 here, not an
+# exception in the engine process (top_k=2**63 used to kill it).
+INT64_MAX = 2**63 - 1
+TokenId = Annotated[int, Field(ge=0, le=INT64_MAX)]
+
+
 class _SamplingFields(BaseModel):
     model_config = ConfigDict(extra="allow")  # unknown OpenAI fields are accepted and ignored, like vLLM
 
@@ -46,11 +52,11 @@ class _SamplingFields(BaseModel):
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    top_k: int | None = Field(default=None, ge=-1)
+    top_k: int | None = Field(default=None, ge=-1, le=INT64_MAX)
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=-INT64_MAX - 1, le=INT64_MAX)
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     n: int = Field(default=1, ge=1, le=1)

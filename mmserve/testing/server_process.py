@@ -66,27 +66,31 @@ def _is_zombie(pid: int) -> bool:
 
 
 def start_server(model_dir: str, *args: str, log_dir: str, timeout_s: float = 180.0,
-                 served_model_name: str = "tiny", port: int | None = None) -> ServerHandle:  # fmt: skip
-    """`mmserve serve` on a free (or the given) loopback port; returns once /health is 200."""
+                 served_model_name: str = "tiny", port: int | None = None,
+                 env: dict[str, str] | None = None) -> ServerHandle:  # fmt: skip
+    """`mmserve serve` on a free (or the given) loopback port; returns once /health is 200.
+
+    `env` is added to this process's environment for the child (e.g. MMSERVE_CLUSTER_SECRET)."""
     port = port or free_port()
     cmd = [sys.executable, "-m", "mmserve.cli", "serve", "--model", model_dir, "--port", str(port),
            "--served-model-name", served_model_name, "--log-level", "warning", *args]  # fmt: skip
-    return _start(cmd, port, log_dir, "server", timeout_s)
+    return _start(cmd, port, log_dir, "server", timeout_s, env)
 
 
 def start_encoder(model_dir: str, *args: str, log_dir: str, timeout_s: float = 120.0,
-                  port: int | None = None) -> ServerHandle:  # fmt: skip
+                  port: int | None = None, env: dict[str, str] | None = None) -> ServerHandle:  # fmt: skip
     """`mmserve encoder` on a free (or the given) loopback port; returns once /health is 200."""
     port = port or free_port()
     cmd = [sys.executable, "-m", "mmserve.cli", "encoder", "--model", model_dir, "--port", str(port),
            "--log-level", "warning", *args]  # fmt: skip
-    return _start(cmd, port, log_dir, "encoder", timeout_s)
+    return _start(cmd, port, log_dir, "encoder", timeout_s, env)
 
 
-def _start(cmd: list[str], port: int, log_dir: str, kind: str, timeout_s: float) -> ServerHandle:
+def _start(cmd: list[str], port: int, log_dir: str, kind: str, timeout_s: float,
+           env: dict[str, str] | None) -> ServerHandle:  # fmt: skip
     log_path = os.path.join(log_dir, f"{kind}-{port}.log")
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
     handle = ServerHandle(f"http://127.0.0.1:{port}", proc, log_path)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

@@ -8,6 +8,9 @@ A part is always exactly two frames, ``[header, payload]``:
   at a multiple of :data:`ITEM_ALIGN` bytes (zero-filled gaps), so a receiver can view items in place;
   ``decode_part`` accepts any non-overlapping in-bounds offsets, padded or not.
 
+With a cluster secret, the sender appends a third frame, an HMAC over both (see ``cluster_auth``); the
+receiver checks and strips it before ``decode_part``, which always sees the two frames above.
+
 Tensors travel as their raw bytes (a uint8 view, so bf16 needs no numpy dtype), which makes round trips
 bit-exact, NaN payloads and signed zeros included.
 """

@@ -61,6 +61,7 @@ class AbortReq(msgspec.Struct, tag="abort"):
 
 class PingReq(msgspec.Struct, tag="ping"):
     nonce: int
+    check_integrity: bool = False  # also verify the KV pool, prefix cache and embedding cache invariants
 
 
 class ShutdownReq(msgspec.Struct, tag="shutdown"):
@@ -119,7 +120,11 @@ class StatsMsg(msgspec.Struct, tag="stats"):
     encode_seconds_total: float
     nonce: int = 0  # echo of a PingReq, 0 for periodic stats
     parts_received: int = 0
-    parts_dropped: int = 0  # stale + unknown + invalid + duplicate + malformed
+    parts_dropped: int = 0  # stale + unknown + invalid + duplicate + malformed + forged + replayed
+    parts_forged: int = 0  # missing or wrong HMAC (cluster secret set)
+    parts_replayed: int = 0  # valid HMAC seen before, or outside the freshness window
+    kv_slots_used: int = 0
+    integrity_error: str | None = None  # set when a PingReq asked for a check and it failed ("" = passed)
 
 
 FromEngine = ReadyMsg | AcceptedMsg | TokensMsg | ErrorMsg | StatsMsg

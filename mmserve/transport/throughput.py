@@ -17,6 +17,7 @@ from collections.abc import Callable
 import torch
 import zmq
 
+from mmserve.transport.cluster_auth import ClusterSecret, PartVerifier
 from mmserve.transport.embedding_wire import EmbeddingItem, encode_part
 from mmserve.transport.zmq_channel import EmbeddingReceiver, EmbeddingSender
 
@@ -55,10 +56,13 @@ def _timed_transfers(
     return times[1:]
 
 
-def _embedding_times(ctx: zmq.Context, emb: torch.Tensor, repeats: int) -> list[float]:
+def _embedding_times(ctx: zmq.Context, emb: torch.Tensor, repeats: int, signed: bool = False) -> list[float]:
     item = EmbeddingItem(0, b"\0" * 16, "image", (1, 1, 1), 0.0, emb)
-    receiver = EmbeddingReceiver("tcp://127.0.0.1:0", ctx=ctx)
-    sender = EmbeddingSender(send_timeout_s=RECV_TIMEOUT_S, ctx=ctx)
+    secret = ClusterSecret(b"throughput-benchmark-secret") if signed else None
+    receiver = EmbeddingReceiver(
+        "tcp://127.0.0.1:0", ctx=ctx, verifier=PartVerifier(secret) if signed else None
+    )
+    sender = EmbeddingSender(send_timeout_s=RECV_TIMEOUT_S, ctx=ctx, signer=secret)
     try:
         return _timed_transfers(
             lambda: sender.send(receiver.endpoint, encode_part("bench", 0, 1, "local", [item])),
@@ -99,6 +103,7 @@ def measure(size_mb: float, repeats: int = 5, rounds: int = 3) -> dict[str, floa
     """GB/s (1e9 bytes/s) moving a float32 (tokens, 4096) tensor of ``size_mb`` MiB over loopback.
 
     Keys: ``embedding`` (encode_part -> EmbeddingSender.send -> EmbeddingReceiver.recv_part -> tensor),
+    ``embedding_signed`` (the same with a cluster secret: HMAC-SHA256 signed and verified),
     ``zmq_raw`` (one copy=False frame, PUSH/PULL over tcp://127.0.0.1), ``memcpy`` (torch clone). Each is
     the median of ``rounds`` x ``repeats`` timed transfers. Owns and closes a private ZMQ context; mutates
     nothing else.
@@ -109,6 +114,7 @@ def measure(size_mb: float, repeats: int = 5, rounds: int = 3) -> dict[str, floa
     ctx = zmq.Context()
     runs: dict[str, Callable[[], list[float]]] = {
         "embedding": lambda: _embedding_times(ctx, emb, repeats),
+        "embedding_signed": lambda: _embedding_times(ctx, emb, repeats, signed=True),
         "zmq_raw": lambda: _raw_zmq_times(ctx, emb, repeats),
         "memcpy": lambda: _memcpy_times(emb, repeats),
     }

@@ -14,7 +14,8 @@ from types import TracebackType
 
 import zmq
 
-from mmserve.transport.embedding_wire import EmbeddingItem, PartHeader, decode_part
+from mmserve.transport.cluster_auth import ClusterSecret, PartVerifier
+from mmserve.transport.embedding_wire import NUM_FRAMES, EmbeddingItem, PartHeader, decode_part
 
 # Messages (parts) queued per endpoint before send blocks; parts are large, so keep these modest.
 SEND_HWM = 16
@@ -39,7 +40,10 @@ class EmbeddingSender:
     proceed in parallel, sends to the same endpoint are serialized. Do not call ``send`` after ``close``.
     """
 
-    def __init__(self, send_timeout_s: float = 5.0, ctx: zmq.Context | None = None) -> None:
+    def __init__(
+        self, send_timeout_s: float = 5.0, ctx: zmq.Context | None = None, signer: ClusterSecret | None = None
+    ) -> None:
+        self._signer = signer  # appends an HMAC frame to every part (cluster secret set)
         self._timeout_s = send_timeout_s
         self._timeout_ms = max(1, math.ceil(send_timeout_s * 1000))
         self._owns_ctx = ctx is None
@@ -86,6 +90,8 @@ class EmbeddingSender:
         Raises :class:`SendTimeout` when the peer is absent or does not take the message (its queue is
         full) within ``send_timeout_s``; nothing of the message is sent in that case.
         """
+        if self._signer is not None:
+            frames = self._signer.sign(frames)
         ep = self._endpoint(endpoint)
         with ep.lock:
             if ep.closed:
@@ -126,7 +132,15 @@ class EmbeddingReceiver:
     ``socket`` is exposed for registering with a ``zmq.Poller``; read from it only via ``recv_part``.
     """
 
-    def __init__(self, bind: str = "tcp://127.0.0.1:0", ctx: zmq.Context | None = None) -> None:
+    def __init__(
+        self,
+        bind: str = "tcp://127.0.0.1:0",
+        ctx: zmq.Context | None = None,
+        verifier: PartVerifier | None = None,
+    ) -> None:
+        # With a verifier, only signed, fresh, first-seen parts are accepted (PartRejected otherwise); without,
+        # a signature frame is ignored.
+        self._verifier = verifier
         self._owns_ctx = ctx is None
         self._ctx = zmq.Context() if ctx is None else ctx
         self._closed = False
@@ -145,7 +159,8 @@ class EmbeddingReceiver:
     ) -> tuple[PartHeader, list[EmbeddingItem]] | None:
         """Receive and decode one part; ``None`` if nothing arrives within ``timeout_s``.
 
-        Raises ``WireError`` for a malformed message. The whole multipart message is consumed before
+        Raises ``WireError`` for a malformed message, ``PartRejected`` for one failing authentication.
+        The whole multipart message is consumed before
         decoding (ZMQ delivers multipart messages atomically), so the next call starts at a message
         boundary. By default the returned tensors are read-only views over the received frame, which they
         keep alive; ZMQ never reuses a delivered message's memory, so later receives cannot change them.
@@ -157,7 +172,12 @@ class EmbeddingReceiver:
             frames = self.socket.recv_multipart(zmq.NOBLOCK, copy=False)
         except zmq.Again:
             return None
-        return decode_part(frames, copy=copy)
+        if self._verifier is None:
+            return decode_part(frames[:NUM_FRAMES] if len(frames) == NUM_FRAMES + 1 else frames, copy=copy)
+        mac = self._verifier.check_mac(frames)
+        header, items = decode_part(frames[:NUM_FRAMES], copy=copy)
+        self._verifier.check_fresh(mac, header.sent_at)
+        return header, items
 
     def close(self) -> None:
         """Close the socket, dropping anything unread, and the context if owned."""

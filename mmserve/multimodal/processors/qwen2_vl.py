@@ -113,6 +113,12 @@ class QwenVLProcessor:
         t, h, w = grid_thw
         return t * h * w // (self.spatial_merge_size**2)
 
+    def input_pixels(self, modality: Modality, grid_thw: tuple[int, int, int]) -> int:
+        """Pixels the tower sees for an item: resized frames x height x width (an image is one frame)."""
+        t, h, w = grid_thw
+        frames = t * self.cfg.temporal_patch_size if modality == Modality.VIDEO else t
+        return frames * h * w * self.cfg.patch_size**2
+
     def process(self, modality: Modality, media: Any) -> ProcessedItem:
         """Tower input for one decoded item: a PIL image, or a video (frames `(T, H, W, 3)` uint8 + fps)."""
         if modality == Modality.IMAGE:

@@ -1,0 +1,192 @@
+"""Cluster secret: HMAC-signed embedding parts and the cluster token on internal HTTP routes."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+import torch
+import zmq
+
+from mmserve.models.loader import load_model, load_processor, load_tokenizer
+from mmserve.testing.server_process import start_encoder, start_server
+from mmserve.transport.cluster_auth import ENV_VAR, HTTP_HEADER, ClusterSecret, PartRejected, PartVerifier
+from mmserve.transport.embedding_wire import EmbeddingItem, encode_part
+from mmserve.transport.zmq_channel import EmbeddingReceiver, EmbeddingSender
+from tests.engine_helpers import image_case, reference
+
+SECRET = "correct horse battery staple"
+OTHER = "another secret, sixteen+ bytes"
+MAX_NEW = 6
+
+
+def part(rid: str = "req-1", value: float = 1.0) -> list:
+    item = EmbeddingItem(0, bytes(16), "image", (1, 2, 2), 1.0, torch.full((1, 8), value))
+    return [bytes(f) for f in encode_part(rid, 0, 1, "enc", [item])]
+
+
+# -- unit: MAC, freshness, replay ------------------------------------------------------------------
+def test_signed_part_verifies_and_any_change_is_forged():
+    secret = ClusterSecret(SECRET.encode())
+    verifier = PartVerifier(secret)
+    frames = secret.sign(part())
+    assert verifier.check_mac(frames) == frames[2]
+    header, payload, mac = frames
+    flipped_payload = bytearray(payload)
+    flipped_payload[-1] ^= 1
+    flipped_header = bytearray(header)
+    flipped_header[-1] ^= 1
+    for bad in ([header, bytes(flipped_payload), mac], [bytes(flipped_header), payload, mac],
+                [header, payload], [header, payload, bytes(32)],
+                ClusterSecret(OTHER.encode()).sign([header, payload]),
+                [header[:5], header[5:] + payload, mac]):  # fmt: skip
+        with pytest.raises(PartRejected) as e:
+            verifier.check_mac(bad)
+        assert e.value.reason == "forged"
+
+
+def test_replays_and_stale_timestamps_are_rejected():
+    now = [1000.0]
+    verifier = PartVerifier(ClusterSecret(SECRET.encode()), max_age_s=60, clock=lambda: now[0])
+    verifier.check_fresh(b"a" * 32, 1000.0)
+    with pytest.raises(PartRejected, match="already received") as e:
+        verifier.check_fresh(b"a" * 32, 1000.0)
+    assert e.value.reason == "replayed"
+    with pytest.raises(PartRejected, match="freshness"):
+        verifier.check_fresh(b"b" * 32, 900.0)  # older than max_age
+    with pytest.raises(PartRejected, match="freshness"):
+        verifier.check_fresh(b"c" * 32, 1100.0)  # from the future beyond the allowed skew
+    now[0] = 1100.0  # remembered MACs expire with the window: memory stays bounded
+    verifier.check_fresh(b"d" * 32, 1100.0)
+    assert len(verifier._seen) == 1
+
+
+def test_token_is_derived_and_short_secrets_are_refused():
+    secret = ClusterSecret(SECRET.encode())
+    assert SECRET not in secret.token and secret.check_token(secret.token)
+    assert not secret.check_token(None) and not secret.check_token(SECRET)
+    with pytest.raises(ValueError, match="16 bytes"):
+        ClusterSecret(b"short")
+
+
+def test_signed_channel_round_trip_counts_forgeries():
+    secret = ClusterSecret(SECRET.encode())
+    ctx = zmq.Context()
+    with EmbeddingReceiver(ctx=ctx, verifier=PartVerifier(secret)) as rx, \
+            EmbeddingSender(ctx=ctx, signer=secret) as good, EmbeddingSender(ctx=ctx) as unsigned:  # fmt: skip
+        good.send(rx.endpoint, part("r1", 2.0))
+        header, items = rx.recv_part(5)
+        assert header.request_id == "r1" and torch.equal(items[0].embedding, torch.full((1, 8), 2.0))
+        unsigned.send(rx.endpoint, part("r2"))
+        with pytest.raises(PartRejected, match="frames"):
+            rx.recv_part(5)
+    # A receiver without a secret still accepts signed parts (mixed roll-outs), ignoring the MAC.
+    with EmbeddingReceiver(ctx=ctx) as rx, EmbeddingSender(ctx=ctx, signer=secret) as good:
+        good.send(rx.endpoint, part("r3"))
+        assert rx.recv_part(5)[0].request_id == "r3"
+    ctx.term()
+
+
+# -- end to end: a server with two encoder workers, secret from the environment ------------------------
+@pytest.fixture(scope="module")
+def logs(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("auth-logs"))
+
+
+@pytest.fixture(scope="module")
+def secured(tiny_qwen2_vl, logs):
+    handle = start_server(tiny_qwen2_vl, "--kv-cache-mb", "16", "--encoder-workers", "2",
+                          "--language-only", log_dir=logs, env={ENV_VAR: SECRET})  # fmt: skip
+    yield handle
+    assert handle.stop() == 0
+
+
+def chat(url: str, case) -> httpx.Response:
+    body = {"messages": case.messages, "max_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True}
+    return httpx.post(url + "/v1/chat/completions", json=body, timeout=60)
+
+
+def auth_counts(url: str) -> dict:
+    return httpx.get(url + "/health", params={"check_integrity": "true"}, timeout=10).json()
+
+
+def test_secured_epd_matches_hf(secured, tiny_qwen2_vl):
+    model, tok, proc = (f(tiny_qwen2_vl) for f in (load_model, load_tokenizer, load_processor))
+    case = image_case([41], "Describe it.")
+    want = tok.decode(reference(model, tok, proc, case, MAX_NEW).token_ids, skip_special_tokens=True)
+    r = chat(secured.url, case)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["content"] == want
+    assert "127.0.0.1" in r.json()["mmserve"]["encoded_by"]  # really went through a (language-only) EPD path
+    counts = auth_counts(secured.url)
+    assert counts["parts_forged"] == 0 and counts["parts_replayed"] == 0
+
+
+def test_internal_routes_require_the_cluster_token(secured):
+    encoders = httpx.get(secured.url + "/encoders", timeout=10).json()
+    worker = encoders["encoders"][0]["url"]
+    job = {"request_id": "x", "part_index": 0, "num_parts": 1, "reply_endpoint": encoders["embedding_endpoint"],
+           "items": [{"item_index": 0, "modality": "image", "url": "data:,"}]}  # fmt: skip
+    token = ClusterSecret(SECRET.encode()).token
+    wrong = ClusterSecret(OTHER.encode()).token
+    for headers in ({}, {HTTP_HEADER: wrong}, {HTTP_HEADER: SECRET}):
+        r = httpx.post(worker + "/encode", json=job, headers=headers, timeout=10)
+        assert r.status_code == 401 and HTTP_HEADER in r.json()["error"]["message"]
+        for route in ("/register_encoder", "/unregister_encoder"):
+            r = httpx.post(
+                secured.url + route, json={"url": "http://127.0.0.1:9"}, headers=headers, timeout=10
+            )
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_cluster_token"
+    assert httpx.get(worker + "/health", timeout=30).status_code == 200  # health stays open
+    r = httpx.post(secured.url + "/register_encoder", json={"url": "http://127.0.0.1:9"},
+                   headers={HTTP_HEADER: token}, timeout=10)  # fmt: skip
+    assert r.status_code == 200
+    r = httpx.post(secured.url + "/unregister_encoder", json={"url": "http://127.0.0.1:9"},
+                   headers={HTTP_HEADER: token}, timeout=10)  # fmt: skip
+    assert r.status_code == 200
+
+
+def test_forged_tampered_and_replayed_parts_are_dropped_and_counted(secured):
+    endpoint = httpx.get(secured.url + "/encoders", timeout=10).json()["embedding_endpoint"]
+    before = auth_counts(secured.url)
+    secret = ClusterSecret(SECRET.encode())
+    signed = secret.sign(part("replayed-request"))
+    tampered = list(secret.sign(part("tampered-request")))
+    tampered[1] = bytes(32) + tampered[1][32:]
+    messages = [part("unsigned-request"), ClusterSecret(OTHER.encode()).sign(part("wrong-key")), tampered,
+                signed, signed, signed]  # fmt: skip
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.PUSH)
+    sock.setsockopt(zmq.LINGER, 2000)
+    sock.connect(endpoint)
+    for frames in messages:
+        sock.send_multipart(frames)
+    sock.close()
+    ctx.term()
+    deadline = time.monotonic() + 20
+    while True:
+        now = auth_counts(secured.url)
+        forged = now["parts_forged"] - before["parts_forged"]
+        replayed = now["parts_replayed"] - before["parts_replayed"]
+        if (forged, replayed) == (3, 2) or time.monotonic() > deadline:
+            break
+        time.sleep(0.3)
+    assert (forged, replayed) == (3, 2)
+    assert now["status"] == "ok"
+    assert chat(secured.url, image_case([42], "Still serving?")).status_code == 200
+
+
+def test_encoder_with_another_secret_is_not_used(tiny_qwen2_vl, logs):
+    """A static encoder with the wrong secret answers 401: the server fails over to local encoding."""
+    enc = start_encoder(tiny_qwen2_vl, log_dir=logs, env={ENV_VAR: OTHER})
+    server = start_server(tiny_qwen2_vl, "--kv-cache-mb", "16", "--encoder-urls", enc.url, log_dir=logs,
+                          env={ENV_VAR: SECRET})  # fmt: skip
+    try:
+        r = chat(server.url, image_case([43], "Who encoded this?"))
+        assert r.status_code == 200, r.text
+        assert r.json()["mmserve"]["encoded_by"] == "local (failover)"
+        assert "cluster token" in server.log()
+    finally:
+        assert server.stop() == 0
+        assert enc.stop() == 0
