@@ -167,11 +167,15 @@ def test_clients_disconnecting_mid_stream_under_load(tiny_qwen2_vl, logs, expect
 
 
 # -- more requests than the KV pool holds --------------------------------------------------------------------
-def kv_usage(url: str) -> float:
+def server_gauge(url: str, name: str) -> float:
     for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
-        if line.startswith("mmserve:kv_cache_usage_perc{"):
+        if line.startswith(f"mmserve:{name}{{"):
             return float(line.rsplit(" ", 1)[1])
     return 0.0
+
+
+def kv_usage(url: str) -> float:
+    return server_gauge(url, "kv_cache_usage_perc")
 
 
 def test_kv_pool_exhaustion_retracts_and_every_request_completes(tiny_qwen2_vl, logs):
@@ -200,6 +204,7 @@ def test_kv_pool_exhaustion_retracts_and_every_request_completes(tiny_qwen2_vl, 
         prompt_len = outs[0].body["usage"]["prompt_tokens"]
         assert n * (prompt_len + max_new) > 2 * kv_tokens  # the pool holds well under half the work at once
         assert peak[0] > 0.5, peak  # and the load did fill it
+        assert server_gauge(server.url, "num_preemptions") > 0  # requests really were retracted
         assert all(o.status == 200 for o in outs), summarize(outs)
         assert all(tokens(o) == max_new for o in outs)  # retraction is invisible to the client
         texts = [answer(o) for o in outs]

@@ -141,6 +141,7 @@ class EngineLoop:
             prefix_cache_hits=e.scheduler.stats.prefix_hit_tokens, mm_cache_queries=cache.queries if cache else 0,
             mm_cache_hits=cache.hits if cache else 0, encode_seconds_total=intake.encode_seconds_total, nonce=nonce,
             parts_received=r.parts, parts_dropped=dropped, kv_slots_used=e.pool.num_used,
+            num_preemptions=e.scheduler.stats.retractions,
             parts_forged=intake.parts_rejected["forged"], parts_replayed=intake.parts_rejected["replayed"],
         )  # fmt: skip
 

@@ -154,26 +154,28 @@ def _read_file(url: str, cfg: MediaConfig) -> MediaBytes:
     parts = urllib.parse.urlsplit(url)
     if parts.netloc not in ("", "localhost"):
         raise MediaForbiddenError(f"file:// URL names a remote host {parts.netloc!r}")
-    path = os.path.realpath(urllib.parse.unquote(parts.path))
+    requested = urllib.parse.unquote(parts.path)
+    path = os.path.realpath(requested)
     allowed = os.path.realpath(cfg.allowed_local_media_path)
     if os.path.commonpath([allowed, path]) != allowed:
-        raise MediaForbiddenError(f"file {path!r} is outside the allowed local media directory")
+        # Name the path the client gave, not where symlinks lead: that would tell it about the file system.
+        raise MediaForbiddenError(f"file {requested!r} is outside the allowed local media directory")
     # O_NOFOLLOW closes the window where the last component is swapped for a symlink after realpath;
     # O_NONBLOCK keeps a FIFO from blocking the open.
     flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
     try:
         fd = os.open(path, flags)
     except OSError as e:
-        raise MediaFetchError(f"cannot open file {path!r}: {e.strerror}") from e
+        raise MediaFetchError(f"cannot open file {requested!r}: {e.strerror}") from e
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
-            raise MediaFetchError(f"{path!r} is not a regular file")
+            raise MediaFetchError(f"{requested!r} is not a regular file")
         _check_size(st.st_size, cfg)
         with os.fdopen(os.dup(fd), "rb") as f:
             data = f.read(cfg.max_media_bytes + 1)  # the file may have grown since fstat
     except OSError as e:
-        raise MediaFetchError(f"cannot read file {path!r}: {e.strerror}") from e
+        raise MediaFetchError(f"cannot read file {requested!r}: {e.strerror}") from e
     finally:
         os.close(fd)
     _check_size(len(data), cfg)

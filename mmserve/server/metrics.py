@@ -58,6 +58,9 @@ class ServerMetrics:
         self.parts_dropped = gauge(
             "embedding_parts_dropped", "Parts dropped: stale, unknown, invalid, malformed, forged, replayed"
         )
+        self.preemptions = gauge(
+            "num_preemptions", "Running requests retracted to free KV (recomputed later)"
+        )
         self.parts_forged = gauge("embedding_parts_forged", "Parts dropped for a missing or wrong HMAC")
         self.parts_replayed = gauge("embedding_parts_replayed", "Signed parts dropped as replays or stale")
         self.model_name = model_name
@@ -76,6 +79,7 @@ class ServerMetrics:
         self.parts_received.set(stats.parts_received)
         self.parts_dropped.set(stats.parts_dropped)
         self.parts_forged.set(stats.parts_forged)
+        self.preemptions.set(stats.num_preemptions)
         self.parts_replayed.set(stats.parts_replayed)
 
     def record_error(self, status: int) -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 from mmserve.engine.sampling_params import SamplingParams
 
@@ -93,7 +93,7 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[int] | list[str] = Field(min_length=1)
+    prompt: str | list[StrictInt] | list[str] = Field(min_length=1)  # strict: `true` is not token id 1
     echo: Literal[False] = False
 
     @property

@@ -124,6 +124,7 @@ class StatsMsg(msgspec.Struct, tag="stats"):
     parts_forged: int = 0  # missing or wrong HMAC (cluster secret set)
     parts_replayed: int = 0  # valid HMAC seen before, or outside the freshness window
     kv_slots_used: int = 0
+    num_preemptions: int = 0  # running requests retracted (KV freed, recomputed later) since start
     integrity_error: str | None = None  # set when a PingReq asked for a check and it failed ("" = passed)
 
 
