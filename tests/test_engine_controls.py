@@ -161,3 +161,20 @@ def test_a_failing_batch_ends_only_its_requests_and_caches_no_garbage(tiny_qwen2
     assert again == oracle(CASES[0]).token_ids
     assert llm.engine.scheduler.stats.prefix_hit_tokens > 0
     assert_idle_and_clean(llm)
+
+
+def test_pixel_limit_per_request_stops_encoding_at_the_item_that_crosses_it(tiny_qwen2_vl):
+    from mmserve.multimodal.errors import MediaTooLargeError
+
+    probe = make_llm(tiny_qwen2_vl)
+    case = image_case([90, 91, 92], "Three images.")
+    modality, image = case.media[0]
+    per_image = probe.engine.processor.input_pixels(
+        modality, probe.engine.processor.process(modality, image).grid_thw
+    )
+    llm = make_llm(tiny_qwen2_vl, max_mm_pixels_per_prompt=int(per_image * 1.5))
+    with pytest.raises(MediaTooLargeError, match="--max-mm-pixels-per-prompt"):
+        llm.chat([case.messages], [greedy()])
+    assert llm.engine.encoder.cache.stats.queries == 2  # the third image was never fetched or encoded
+    assert tokens(llm, [image_case([90], "One image.")])  # under the limit: served
+    assert_idle_and_clean(llm)

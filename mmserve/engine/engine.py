@@ -115,6 +115,7 @@ class Engine:
                 out.append(self.encoder.encode(modality, ref, timings))
             except MediaError as e:
                 raise type(e)(str(e), item=f"{modality.value} #{seen[modality]}") from e
+            self._check_pixels(out)  # stop at the item that crosses the limit: the rest is never encoded
         return out
 
     def add_request(
@@ -155,7 +156,8 @@ class Engine:
         return req
 
     def _check_pixels(self, encoded: list[EncodedItem]) -> None:
-        """Raises MediaTooLargeError (413) if the request's media exceed --max-mm-pixels-per-prompt."""
+        """Raises MediaTooLargeError (413) if the request's media exceed --max-mm-pixels-per-prompt. Checked as
+        in-process encoding goes and again at admission (EPD parts arrive already encoded)."""
         limit = self.cfg.max_mm_pixels_per_prompt
         if limit is None or not encoded:
             return
