@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import httpx
@@ -71,31 +72,55 @@ def start_server(model_dir: str, *args: str, log_dir: str, timeout_s: float = 18
     """`mmserve serve` on a free (or the given) loopback port; returns once /health is 200.
 
     `env` is added to this process's environment for the child (e.g. MMSERVE_CLUSTER_SECRET)."""
-    port = port or free_port()
-    cmd = [sys.executable, "-m", "mmserve.cli", "serve", "--model", model_dir, "--port", str(port),
-           "--served-model-name", served_model_name, "--log-level", "warning", *args]  # fmt: skip
+
+    def cmd(port: int) -> list[str]:
+        return [sys.executable, "-m", "mmserve.cli", "serve", "--model", model_dir, "--port", str(port),
+                "--served-model-name", served_model_name, "--log-level", "warning", *args]  # fmt: skip
+
     return _start(cmd, port, log_dir, "server", timeout_s, env)
 
 
 def start_encoder(model_dir: str, *args: str, log_dir: str, timeout_s: float = 120.0,
                   port: int | None = None, env: dict[str, str] | None = None) -> ServerHandle:  # fmt: skip
     """`mmserve encoder` on a free (or the given) loopback port; returns once /health is 200."""
-    port = port or free_port()
-    cmd = [sys.executable, "-m", "mmserve.cli", "encoder", "--model", model_dir, "--port", str(port),
-           "--log-level", "warning", *args]  # fmt: skip
+
+    def cmd(port: int) -> list[str]:
+        return [sys.executable, "-m", "mmserve.cli", "encoder", "--model", model_dir, "--port", str(port),
+                "--log-level", "warning", *args]  # fmt: skip
+
     return _start(cmd, port, log_dir, "encoder", timeout_s, env)
 
 
-def _start(cmd: list[str], port: int, log_dir: str, kind: str, timeout_s: float,
-           env: dict[str, str] | None) -> ServerHandle:  # fmt: skip
+def _start(cmd: Callable[[int], list[str]], port: int | None, log_dir: str, kind: str, timeout_s: float,
+           env: dict[str, str] | None, attempts: int = 3) -> ServerHandle:  # fmt: skip
+    """Starts `cmd(port)`; a free port picked here can be taken by another process before the child binds
+    it, so a start that fails with "address already in use" is retried on a new port."""
+    for attempt in range(attempts):
+        try:
+            return _start_once(cmd, port or free_port(), log_dir, kind, timeout_s, env)
+        except _PortTaken:
+            if port is not None or attempt == attempts - 1:
+                raise
+    raise AssertionError("unreachable")
+
+
+class _PortTaken(AssertionError):
+    pass
+
+
+def _start_once(cmd: Callable[[int], list[str]], port: int, log_dir: str, kind: str, timeout_s: float,
+                env: dict[str, str] | None) -> ServerHandle:  # fmt: skip
     log_path = os.path.join(log_dir, f"{kind}-{port}.log")
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+        proc = subprocess.Popen(
+            cmd(port), stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
+        )
     handle = ServerHandle(f"http://127.0.0.1:{port}", proc, log_path)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise AssertionError(f"{kind} exited during start-up:\n{handle.log()}")
+            error = _PortTaken if "address already in use" in handle.log().lower() else AssertionError
+            raise error(f"{kind} exited during start-up:\n{handle.log()}")
         try:
             if httpx.get(handle.url + "/health", timeout=2).status_code == 200:
                 return handle
