@@ -46,6 +46,23 @@ def test_signed_part_verifies_and_any_change_is_forged():
         assert e.value.reason == "forged"
 
 
+def test_large_payloads_hashed_in_parallel_still_catch_any_flipped_bit(monkeypatch):
+    from mmserve.transport import cluster_auth
+
+    secret = ClusterSecret(SECRET.encode())
+    header, payload = b"header", bytes(range(256)) * (5 * 2**20 // 256 + 7)  # 5 MiB and a bit: 6 chunks
+    parallel = secret.mac(header, payload)
+    monkeypatch.setattr(cluster_auth, "PARALLEL_MIN_CHUNKS", 10**9)
+    assert secret.mac(header, payload) == parallel  # the same MAC whichever way the chunks were hashed
+    monkeypatch.undo()
+    for pos in (0, 2**20 - 1, 2**20, 3 * 2**20 + 12345, len(payload) - 1):
+        flipped = bytearray(payload)
+        flipped[pos] ^= 0x80
+        assert secret.mac(header, bytes(flipped)) != parallel, pos
+    assert secret.mac(header, payload[:-1]) != parallel
+    assert secret.mac(header + payload[:1], payload[1:]) != parallel  # bytes moved across the frame boundary
+
+
 def test_replays_and_stale_timestamps_are_rejected():
     now = [1000.0]
     verifier = PartVerifier(ClusterSecret(SECRET.encode()), max_age_s=60, clock=lambda: now[0])
