@@ -441,7 +441,6 @@ class _Server(http.server.ThreadingHTTPServer):
             "/big-stream": lambda h: _send(h, b"x" * BIG_BODY_BYTES, length=False),
             "/slow": _send_slowly,
             "/redirect": lambda h: _redirect(h, "/img.png"),
-            "/redirect-private": lambda h: _redirect(h, "http://10.0.0.3/x"),
         }
 
     def url(self, path: str) -> str:
