@@ -13,6 +13,7 @@ import pytest
 import zmq
 
 from mmserve.models.loader import load_model, load_processor, load_tokenizer
+from mmserve.testing.probes import metric, open_fds
 from mmserve.testing.server_process import free_port, start_encoder, start_server
 from tests.engine_helpers import image_case, reference, video_case
 
@@ -44,26 +45,6 @@ def content(r: httpx.Response) -> str:
     return r.json()["choices"][0]["message"]["content"]
 
 
-def open_fds(pid: int) -> int:
-    import os
-
-    return len(os.listdir(f"/proc/{pid}/fd"))
-
-
-def server_metric(url: str, name: str) -> float:
-    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
-        if line.startswith(f"mmserve:{name}{{"):
-            return float(line.rsplit(" ", 1)[1])
-    raise AssertionError(f"metric {name} not found")
-
-
-def encoder_metric(url: str, name: str) -> float:
-    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
-        if line.startswith(f"mmserve:{name} "):
-            return float(line.split()[1])
-    return 0.0
-
-
 # -- two local encoder workers (spawned by the server) ----------------------------------------------------
 @pytest.fixture(scope="module")
 def epd2(tiny_qwen2_vl, logs):
@@ -93,11 +74,11 @@ def test_items_of_one_request_spread_over_encoders(epd2, expected):
 
 def test_cache_affinity_computes_a_repeated_image_once(epd2):
     encoders = [e["url"] for e in httpx.get(epd2.url + "/encoders", timeout=10).json()["encoders"]]
-    before = sum(encoder_metric(u, "encoder_cache_hits") for u in encoders)
+    before = sum(metric(u, "encoder_cache_hits") for u in encoders)
     case = image_case([20], "Once.")
     first, second = content(chat(epd2.url, case)), content(chat(epd2.url, image_case([20], "Twice.")))
     assert first and second
-    assert sum(encoder_metric(u, "encoder_cache_hits") for u in encoders) == before + 1
+    assert sum(metric(u, "encoder_cache_hits") for u in encoders) == before + 1
 
 
 def test_64_concurrent_requests_across_two_encoders(epd2):
@@ -152,8 +133,8 @@ def test_round_robin_computes_a_repeated_image_twice(tiny_qwen2_vl, logs):
     try:
         for text in ("One.", "Two."):
             assert content(chat(server.url, image_case([40], text)))
-        assert sum(encoder_metric(e.url, "encoder_cache_hits") for e in encs) == 0
-        assert sum(encoder_metric(e.url, "encoder_cache_queries") for e in encs) == 2
+        assert sum(metric(e.url, "encoder_cache_hits") for e in encs) == 0
+        assert sum(metric(e.url, "encoder_cache_queries") for e in encs) == 2
     finally:
         assert server.stop() == 0
         for e in encs:
@@ -220,8 +201,8 @@ def test_faulty_encoder_fails_over_to_a_healthy_one(tiny_qwen2_vl, expected, log
         fds = [open_fds(pid) for pid in [server.proc.pid, *server.child_pids()]]
         for seed in (52, 53, 54, 55):
             assert chat(server.url, image_case([seed], "Again.")).status_code == 200
-        assert server_metric(server.url, "kv_cache_usage_perc") == 0
-        assert server_metric(server.url, "num_requests_running") == 0
+        assert metric(server.url, "kv_cache_usage_perc") == 0
+        assert metric(server.url, "num_requests_running") == 0
         after = [open_fds(pid) for pid in [server.proc.pid, *server.child_pids()]]
         assert all(a <= b + 2 for a, b in zip(after, fds, strict=True)), (fds, after)
     finally:
@@ -348,7 +329,7 @@ def test_encoder_refuses_work_beyond_max_pending(tiny_qwen2_vl, logs):
                "items": [{"item_index": 0, "modality": "image", "url": "data:,"}]}  # fmt: skip
         r = httpx.post(enc.url + "/encode", json=job, timeout=10)
         assert r.status_code == 503 and r.headers.get("retry-after") == "1"
-        assert encoder_metric(enc.url, "encoder_rejected_jobs_total") == 1
+        assert metric(enc.url, "encoder_rejected_jobs_total") == 1
     finally:
         enc.stop()
 
@@ -364,7 +345,7 @@ def test_encoder_killed_mid_request_fails_over(tiny_qwen2_vl, expected, logs):
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             future = pool.submit(chat, server.url, case)
             deadline = time.monotonic() + 10
-            while encoder_metric(slow.url, "encoder_pending_jobs") < 1:  # the job is inside the slow encoder
+            while metric(slow.url, "encoder_pending_jobs") < 1:  # the job is inside the slow encoder
                 assert time.monotonic() < deadline
                 time.sleep(0.05)
             slow.proc.kill()

@@ -16,6 +16,7 @@ import pytest
 
 from mmserve.models.loader import load_model, load_processor, load_tokenizer
 from mmserve.testing.load import Call, Outcome, run_closed_loop, summarize
+from mmserve.testing.probes import metric, settled_integrity
 from mmserve.testing.server_process import start_encoder, start_server
 from tests.engine_helpers import image_case, reference
 
@@ -55,19 +56,6 @@ def answer(o: Outcome) -> str:
 
 def tokens(o: Outcome) -> int:
     return o.body["usage"]["completion_tokens"]
-
-
-def settled_integrity(url: str, settle_s: float = 30.0) -> dict:
-    """/health?check_integrity=true once nothing runs or waits and nothing is in flight (bounded wait)."""
-    deadline = time.monotonic() + settle_s
-    while True:
-        r = httpx.get(url + "/health", params={"check_integrity": "true"}, timeout=10)
-        body = r.json()
-        assert r.status_code == 200 and body["status"] == "ok", body
-        if body["in_flight"] == body["num_running"] == body["num_waiting"] == 0:
-            return body
-        assert time.monotonic() < deadline, f"requests still held after the load ended: {body}"
-        time.sleep(0.2)
 
 
 # -- encoder faults: two standalone encoders, a language-only server -------------------------------------
@@ -167,17 +155,6 @@ def test_clients_disconnecting_mid_stream_under_load(tiny_qwen2_vl, logs, expect
 
 
 # -- more requests than the KV pool holds --------------------------------------------------------------------
-def server_gauge(url: str, name: str) -> float:
-    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
-        if line.startswith(f"mmserve:{name}{{"):
-            return float(line.rsplit(" ", 1)[1])
-    return 0.0
-
-
-def kv_usage(url: str) -> float:
-    return server_gauge(url, "kv_cache_usage_perc")
-
-
 def test_kv_pool_exhaustion_retracts_and_every_request_completes(tiny_qwen2_vl, logs):
     server = start_server(tiny_qwen2_vl, "--kv-cache-mb", "0.3", log_dir=logs)
     try:
@@ -190,7 +167,7 @@ def test_kv_pool_exhaustion_retracts_and_every_request_completes(tiny_qwen2_vl, 
 
         def watch() -> None:  # bounded: the load below ends within its own timeouts
             while not done.wait(0.1):
-                peak[0] = max(peak[0], kv_usage(server.url))
+                peak[0] = max(peak[0], metric(server.url, "kv_cache_usage_perc"))
 
         watcher = threading.Thread(target=watch, daemon=True)
         watcher.start()
@@ -204,7 +181,7 @@ def test_kv_pool_exhaustion_retracts_and_every_request_completes(tiny_qwen2_vl, 
         prompt_len = outs[0].body["usage"]["prompt_tokens"]
         assert n * (prompt_len + max_new) > 2 * kv_tokens  # the pool holds well under half the work at once
         assert peak[0] > 0.5, peak  # and the load did fill it
-        assert server_gauge(server.url, "num_preemptions") > 0  # requests really were retracted
+        assert metric(server.url, "num_preemptions") > 0  # requests really were retracted
         assert all(o.status == 200 for o in outs), summarize(outs)
         assert all(tokens(o) == max_new for o in outs)  # retraction is invisible to the client
         texts = [answer(o) for o in outs]

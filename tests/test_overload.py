@@ -3,13 +3,12 @@ a hang, and the server is healthy and consistent afterwards."""
 
 from __future__ import annotations
 
-import time
-
 import httpx
 import pytest
 
 from mmserve.models.loader import load_model, load_processor, load_tokenizer
 from mmserve.testing.load import Call, Outcome, run_closed_loop, summarize
+from mmserve.testing.probes import metric, settled_integrity
 from mmserve.testing.server_process import start_encoder, start_server
 from tests.engine_helpers import image_case, reference
 
@@ -47,26 +46,6 @@ def completed(o: Outcome, max_tokens: int) -> bool:
     )
 
 
-def integrity(url: str, settle_s: float = 20.0) -> dict:
-    """/health?check_integrity=true once nothing is in flight any more (bounded wait)."""
-    deadline = time.monotonic() + settle_s
-    while True:
-        r = httpx.get(url + "/health", params={"check_integrity": "true"}, timeout=10)
-        body = r.json()
-        idle = body.get("in_flight") == 0 and body.get("num_running") == 0 and body.get("num_waiting") == 0
-        if idle or time.monotonic() > deadline:
-            assert r.status_code == 200 and body["status"] == "ok", body
-            return body
-        time.sleep(0.2)
-
-
-def errors_metric(url: str, status: int) -> float:
-    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
-        if line.startswith("mmserve:request_errors_total{") and f'status="{status}"' in line:
-            return float(line.rsplit(" ", 1)[1])
-    return 0.0
-
-
 def test_burst_beyond_capacity_gets_200_or_503_and_recovers(tiny_qwen2_vl, logs):
     server = start_server(tiny_qwen2_vl, "--kv-cache-mb", "16", "--max-num-seqs", "2", "--max-waiting-requests",
                           "2", log_dir=logs)  # fmt: skip
@@ -86,23 +65,16 @@ def test_burst_beyond_capacity_gets_200_or_503_and_recovers(tiny_qwen2_vl, logs)
             assert (
                 o.body["error"]["type"] == "service_unavailable" and "capacity" in o.body["error"]["message"]
             )
-        assert errors_metric(server.url, 503) == len(busy)
+        assert metric(server.url, "request_errors_total", status="503") == len(busy)
         # Recovery: nothing left in flight, pools consistent, and a fresh request gets a full answer.
-        assert integrity(server.url)["in_flight"] == 0
+        assert settled_integrity(server.url)["in_flight"] == 0
         (fresh,) = run_closed_loop(
             server.url, lambda _: chat_call(299, MAX_NEW), concurrency=1, num_requests=1
         )
         assert completed(fresh, MAX_NEW), fresh
-        assert integrity(server.url)["num_running"] == 0
+        assert settled_integrity(server.url)["num_running"] == 0
     finally:
         assert server.stop() == 0
-
-
-def encoder_metric(url: str, name: str) -> float:
-    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
-        if line.startswith(f"mmserve:{name} "):
-            return float(line.split()[1])
-    return 0.0
 
 
 def test_encoder_burst_beyond_max_pending_falls_back_to_local_encoding(tiny_qwen2_vl, logs):
@@ -118,7 +90,7 @@ def test_encoder_burst_beyond_max_pending_falls_back_to_local_encoding(tiny_qwen
         outs = run_closed_loop(server.url, calls.__getitem__, concurrency=n, num_requests=n, timeout_s=90,
                                start_together=True)  # fmt: skip
         assert all(o.status == 200 for o in outs), summarize(outs)
-        assert encoder_metric(enc.url, "encoder_rejected_jobs_total") >= 1  # the encoder was overloaded
+        assert metric(enc.url, "encoder_rejected_jobs_total") >= 1  # the encoder was overloaded
         stats = httpx.get(server.url + "/encoders", timeout=10).json()
         assert stats["local_fallbacks"] >= 1
         encoded_by = [o.body["mmserve"]["encoded_by"] for o in outs]
@@ -128,7 +100,7 @@ def test_encoder_burst_beyond_max_pending_falls_back_to_local_encoding(tiny_qwen
             assert o.body["choices"][0]["message"]["content"] == tok.decode(
                 ref.token_ids, skip_special_tokens=True
             )
-        assert integrity(server.url)["in_flight"] == 0
+        assert settled_integrity(server.url)["in_flight"] == 0
     finally:
         assert server.stop() == 0
         enc.stop()

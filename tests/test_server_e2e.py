@@ -11,6 +11,7 @@ import openai
 import pytest
 
 from mmserve.models.loader import load_model, load_processor, load_tokenizer
+from mmserve.testing.probes import metric
 from mmserve.testing.server_process import start_server
 from tests.engine_helpers import image_case, reference
 
@@ -45,15 +46,6 @@ def chat(client, case, **kwargs):
     kwargs.setdefault("max_tokens", MAX_NEW)
     return client.chat.completions.create(model="tiny", messages=case.messages, temperature=0,
                                           extra_body={"ignore_eos": True}, **kwargs)  # fmt: skip
-
-
-def metric(server, name: str) -> float:
-    text = httpx.get(server.url + "/metrics", timeout=10).text
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith(f"mmserve:{name}{{") or line.startswith(f"mmserve:{name} "):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
 
 
 @pytest.mark.parametrize("seeds", [[1], [2, 3]], ids=["one_image", "two_images"])
@@ -124,10 +116,10 @@ def test_models_health_and_metrics_move(client, server):
     models = httpx.get(server.url + "/v1/models", timeout=10).json()
     assert models["data"][0]["id"] == "tiny" and models["data"][0]["max_model_len"] == 4096
     assert httpx.get(server.url + "/health", timeout=10).status_code == 200
-    before = {n: metric(server, n) for n in ("prompt_tokens_total", "generation_tokens_total", "mm_cache_queries",
+    before = {n: metric(server.url, n) for n in ("prompt_tokens_total", "generation_tokens_total", "mm_cache_queries",
                                              "time_to_first_token_seconds_count")}  # fmt: skip
     chat(client, image_case([8], "Hi."))
-    after = {n: metric(server, n) for n in before}
+    after = {n: metric(server.url, n) for n in before}
     assert all(after[n] > before[n] for n in before), (before, after)
 
 
@@ -284,12 +276,12 @@ def test_client_disconnect_aborts_and_frees_kv(strict_server):
         data_lines = (line for line in r.iter_lines() if line.startswith("data: "))
         for _ in range(5):
             assert json.loads(next(data_lines)[6:])["choices"][0]["finish_reason"] is None
-        assert metric(strict_server, "num_requests_running") == 1
-        assert metric(strict_server, "kv_cache_usage_perc") > 0
+        assert metric(strict_server.url, "num_requests_running") == 1
+        assert metric(strict_server.url, "kv_cache_usage_perc") > 0
     deadline = time.monotonic() + 20
     while (
-        metric(strict_server, "num_requests_running") != 0
-        or metric(strict_server, "kv_cache_usage_perc") != 0
+        metric(strict_server.url, "num_requests_running") != 0
+        or metric(strict_server.url, "kv_cache_usage_perc") != 0
     ):
         assert time.monotonic() < deadline, "disconnected request still holds KV slots"
         time.sleep(0.2)

@@ -16,7 +16,8 @@ import time
 import httpx
 import pytest
 
-from mmserve.testing.load import Call, Outcome, ProcSample, process_tree, run_closed_loop, sample, summarize
+from mmserve.testing.load import Call, Outcome, run_closed_loop, summarize
+from mmserve.testing.probes import ProcSample, process_tree, sample
 from mmserve.testing.server_process import start_server
 from tests.conftest import random_image
 from tests.engine_helpers import png_uri

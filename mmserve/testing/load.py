@@ -1,4 +1,4 @@
-"""A small, bounded HTTP load generator and process probes for overload, fault and soak tests.
+"""A small, bounded HTTP load generator for overload, fault and soak tests.
 
 Load: `run_closed_loop` keeps `concurrency` requests in flight (a fixed count, or until a duration ends);
 `run_fixed_rate` starts requests at a fixed rate for a duration. Every request has its own timeout and ends
@@ -6,8 +6,7 @@ in exactly one `Outcome` (HTTP status, latency, error code, parsed body); a requ
 when the run's deadline passes is reported as `status=0, error_code="hung"`, so a caller can always assert
 that everything returned. Every loop is bounded in count and in time.
 
-Probes: resident memory (`/proc/PID/status` VmRSS) and open file descriptors (`/proc/PID/fd`) of a process
-and its descendants (`pgrep -P`). Linux only.
+Process and server probes (memory, file descriptors, metrics, integrity) are in `mmserve.testing.probes`.
 """
 
 from __future__ import annotations
@@ -15,12 +14,10 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import math
-import os
-import subprocess
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import httpx
 
@@ -222,56 +219,3 @@ def summarize(outcomes: list[Outcome]) -> dict:
     return {"requests": len(outcomes), "by_status": by_status,
             "p50_s": round(percentile(latencies, 50), 4), "p99_s": round(percentile(latencies, 99), 4),
             "max_s": round(max((o.latency_s for o in outcomes), default=0.0), 4)}  # fmt: skip
-
-
-# -- process probes --------------------------------------------------------------------------------------
-def rss_bytes(pid: int) -> int:
-    """Resident set size of a process (VmRSS)."""
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    return 0  # a zombie has no VmRSS
-
-
-def open_fds(pid: int) -> int:
-    return len(os.listdir(f"/proc/{pid}/fd"))
-
-
-def child_pids(pid: int) -> list[int]:
-    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True, timeout=10)
-    return [int(p) for p in out.stdout.split()]
-
-
-def process_tree(pid: int, max_depth: int = 3) -> list[int]:
-    """`pid` and its descendants (breadth first, at most `max_depth` levels down)."""
-    tree, level = [pid], [pid]
-    for _ in range(max_depth):
-        level = [c for p in level for c in child_pids(p)]
-        tree += level
-    return tree
-
-
-@dataclass
-class ProcSample:
-    pid: int
-    role: str  # from the command line: "server", "engine", "encoder" or the program name
-    rss_bytes: int
-    open_fds: int
-    extra: dict = field(default_factory=dict)
-
-
-def role_of(pid: int) -> str:
-    with open(f"/proc/{pid}/cmdline", "rb") as f:
-        argv = [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
-    if "mmserve.engine.loop" in argv:
-        return "engine"
-    for role in ("serve", "encoder"):
-        if role in argv:
-            return "server" if role == "serve" else role
-    return os.path.basename(argv[0]) if argv else "?"
-
-
-def sample(pids: list[int]) -> list[ProcSample]:
-    """RSS and open fds of each process, now."""
-    return [ProcSample(pid, role_of(pid), rss_bytes(pid), open_fds(pid)) for pid in pids]
