@@ -12,10 +12,8 @@ checked in-process against a transport that fails the test if it is ever used.
 from __future__ import annotations
 
 import base64
-import http.server
 import json
 import os
-import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -28,6 +26,7 @@ from mmserve.config import MediaConfig
 from mmserve.multimodal.errors import MediaForbiddenError
 from mmserve.multimodal.media import MediaRef, load_media
 from mmserve.testing import bad_media as bm
+from mmserve.testing import media_host as mh
 from mmserve.testing.server_process import start_server
 
 ANSWER_WITHIN_S = 5.0
@@ -41,85 +40,19 @@ PINNED = {"evil.test": "10.1.2.3", "home.test": "192.168.1.5", "meta.test": "169
 
 
 # -- a loopback media host ---------------------------------------------------------------------------
-class _MediaHandler(http.server.BaseHTTPRequestHandler):
-    server: _MediaHost
-
-    def log_message(self, format: str, *args: object) -> None:  # noqa: A002 - silence request logging
-        pass
-
-    def do_GET(self) -> None:  # noqa: N802 - http.server API
-        route = self.server.routes.get(self.path.split("?")[0])
-        try:
-            if route is None:
-                self.send_error(404)
-            else:
-                route(self)
-        except (BrokenPipeError, ConnectionResetError):
-            pass  # the fetcher gave up, as intended
-
-
-class _MediaHost(http.server.ThreadingHTTPServer):
-    daemon_threads = True
-
-    def __init__(self) -> None:
-        super().__init__(("127.0.0.1", 0), _MediaHandler)
-        port = self.server_address[1]
-        big = MEDIA_LIMIT_MB * 2**20 * 2
-        self.routes: dict[str, Callable[[_MediaHandler], None]] = {
-            "/ok.png": lambda h: _send(h, bm.image()),
-            "/big-declared": lambda h: _send(h, b"x" * 1000, declared=big),
-            "/big-chunked": lambda h: _send_chunked(h, big),
-            "/slow": _send_slowly,
-            "/redirect-private": lambda h: _redirect(h, "http://evil.test/ok.png"),
-            "/redirect-loopback": lambda h: _redirect(h, f"http://127.0.0.2:{port}/ok.png"),
-        }
-
-
-def _send(h: _MediaHandler, body: bytes, declared: int | None = None) -> None:
-    h.send_response(200)
-    h.send_header("Content-Type", "image/png")
-    h.send_header("Content-Length", str(declared if declared is not None else len(body)))
-    h.end_headers()
-    h.wfile.write(body)
-
-
-def _send_chunked(h: _MediaHandler, total: int) -> None:
-    h.protocol_version = "HTTP/1.1"
-    h.send_response(200)
-    h.send_header("Transfer-Encoding", "chunked")
-    h.send_header("Connection", "close")
-    h.end_headers()
-    chunk = b"x" * 65536
-    for _ in range(total // len(chunk)):  # bounded; the fetcher hangs up after its limit
-        h.wfile.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
-    h.wfile.write(b"0\r\n\r\n")
-
-
-def _send_slowly(h: _MediaHandler) -> None:
-    h.send_response(200)
-    h.end_headers()
-    for _ in range(30):  # ~3 s at most, well past the server's 1 s fetch timeout
-        h.wfile.write(b"x")
-        h.wfile.flush()
-        time.sleep(0.1)
-
-
-def _redirect(h: _MediaHandler, location: str) -> None:
-    h.send_response(302)
-    h.send_header("Location", location)
-    h.send_header("Content-Length", "0")
-    h.end_headers()
-
-
 @pytest.fixture(scope="module")
-def media_host() -> Iterator[_MediaHost]:
-    host = _MediaHost()
-    thread = threading.Thread(target=host.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
-    thread.start()
-    yield host
-    host.shutdown()
-    host.server_close()
-    thread.join(timeout=5)
+def media_host() -> Iterator[mh.MediaHost]:
+    big = MEDIA_LIMIT_MB * 2**20 * 2
+    with mh.MediaHost() as host:
+        host.routes.update({
+            "/ok.png": lambda h: mh.send(h, bm.image()),
+            "/big-declared": lambda h: mh.send(h, b"x" * 1000, declared=big),
+            "/big-chunked": lambda h: mh.send_chunked(h, big),
+            "/slow": lambda h: mh.send_slowly(h, 3.0),  # well past the server's 1 s fetch timeout
+            "/redirect-private": lambda h: mh.redirect(h, "http://evil.test/ok.png"),
+            "/redirect-loopback": lambda h: mh.redirect(h, host.url("/ok.png", host="127.0.0.2")),
+        })  # fmt: skip
+        yield host
 
 
 # -- the server under test ---------------------------------------------------------------------------
@@ -153,7 +86,7 @@ def ctx(tiny_qwen2_vl, tmp_path_factory, media_host) -> Iterator[Ctx]:
         "--media-resolve", *(f"{h}={ip}" for h, ip in PINNED.items()),
         log_dir=str(tmp_path_factory.mktemp("logs")),
     )  # fmt: skip
-    yield Ctx(handle.url, media_host.server_address[1], str(allowed), str(outside))
+    yield Ctx(handle.url, media_host.port, str(allowed), str(outside))
     assert handle.stop() == 0
 
 

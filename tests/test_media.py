@@ -8,11 +8,9 @@ from __future__ import annotations
 
 import base64
 import dataclasses
-import http.server
 import io
 import socket
 import struct
-import threading
 import time
 import zlib
 from collections.abc import Callable, Iterator
@@ -44,6 +42,7 @@ from mmserve.multimodal.media import (
     load_media,
     load_video,
 )
+from mmserve.testing import media_host as mh
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -411,101 +410,41 @@ def test_unsupported_audio_bytes(png: bytes) -> None:
 BIG_BODY_BYTES = 1 << 20
 
 
-class _Handler(http.server.BaseHTTPRequestHandler):
-    server: _Server
-
-    def log_message(self, format: str, *args: object) -> None:  # noqa: A002 - silence request logging
-        pass
-
-    def do_GET(self) -> None:  # noqa: N802 - http.server API
-        self.server.paths.append(self.path)
-        route = self.server.routes.get(self.path)
-        if route is None:
-            self.send_error(404)
-            return
-        try:
-            route(self)
-        except (BrokenPipeError, ConnectionResetError):
-            pass  # the client gave up, as intended
-
-
-class _Server(http.server.ThreadingHTTPServer):
-    daemon_threads = True
-
-    def __init__(self, png: bytes) -> None:
-        super().__init__(("127.0.0.1", 0), _Handler)
-        self.paths: list[str] = []
-        self.routes: dict[str, Callable[[_Handler], None]] = {
-            "/img.png": lambda h: _send(h, png, length=True),
-            "/big-declared": lambda h: _send(h, b"x" * 1000, declared=BIG_BODY_BYTES),
-            "/big-stream": lambda h: _send(h, b"x" * BIG_BODY_BYTES, length=False),
-            "/slow": _send_slowly,
-            "/redirect": lambda h: _redirect(h, "/img.png"),
-        }
-
-    def url(self, path: str) -> str:
-        return f"http://127.0.0.1:{self.server_address[1]}{path}"
-
-
-def _send(h: _Handler, body: bytes, *, length: bool = True, declared: int | None = None) -> None:
-    h.send_response(200)
-    h.send_header("Content-Type", "image/png; charset=binary")
-    if declared is not None or length:
-        h.send_header("Content-Length", str(declared if declared is not None else len(body)))
-    h.end_headers()  # HTTP/1.0 without Content-Length: the body ends when the connection closes
-    for i in range(0, len(body), 16 * 1024):
-        h.wfile.write(body[i : i + 16 * 1024])
-
-
-def _send_slowly(h: _Handler) -> None:
-    h.send_response(200)
-    h.end_headers()
-    for _ in range(50):  # at most ~5 s, so a broken client cannot hang the test server
-        h.wfile.write(b"x")
-        h.wfile.flush()
-        time.sleep(0.1)
-
-
-def _redirect(h: _Handler, location: str) -> None:
-    h.send_response(302)
-    h.send_header("Location", location)
-    h.send_header("Content-Length", "0")
-    h.end_headers()
-
-
 @pytest.fixture(scope="module")
-def server(png: bytes) -> Iterator[_Server]:
-    srv = _Server(png)
-    thread = threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
-    thread.start()
-    yield srv
-    srv.shutdown()
-    srv.server_close()
-    thread.join(timeout=5)
+def server(png: bytes) -> Iterator[mh.MediaHost]:
+    with mh.MediaHost() as host:
+        host.routes.update({
+            "/img.png": lambda h: mh.send(h, png, content_type="image/png; charset=binary"),
+            "/big-declared": lambda h: mh.send(h, b"x" * 1000, declared=BIG_BODY_BYTES),
+            "/big-stream": lambda h: mh.send(h, b"x" * BIG_BODY_BYTES, length=False),
+            "/slow": mh.send_slowly,
+            "/redirect": lambda h: mh.redirect(h, "/img.png"),
+        })  # fmt: skip
+        yield host
 
 
 LOCAL = MediaConfig(allow_private_urls=True, fetch_timeout_s=5.0)
 
 
-def test_http_fetch_success(server: _Server, png: bytes) -> None:
+def test_http_fetch_success(server: mh.MediaHost, png: bytes) -> None:
     media = load_media(MediaRef.parse(server.url("/img.png")), LOCAL)
     assert media.data == png and media.mime == "image/png"
     assert load_image(MediaRef.parse(server.url("/img.png")), LOCAL).size == (32, 24)
 
 
-def test_http_404(server: _Server) -> None:
+def test_http_404(server: mh.MediaHost) -> None:
     with pytest.raises(MediaFetchError, match="404"):
         load_bytes(MediaRef.parse(server.url("/missing")), LOCAL)
 
 
-def test_http_too_large_by_content_length(server: _Server) -> None:
+def test_http_too_large_by_content_length(server: mh.MediaHost) -> None:
     with pytest.raises(MediaTooLargeError, match=str(BIG_BODY_BYTES)):
         load_bytes(
             MediaRef.parse(server.url("/big-declared")), dataclasses.replace(LOCAL, max_media_bytes=100_000)
         )
 
 
-def test_http_too_large_while_streaming(server: _Server) -> None:
+def test_http_too_large_while_streaming(server: mh.MediaHost) -> None:
     with pytest.raises(MediaTooLargeError):
         load_bytes(
             MediaRef.parse(server.url("/big-stream")), dataclasses.replace(LOCAL, max_media_bytes=100_000)
@@ -513,20 +452,20 @@ def test_http_too_large_while_streaming(server: _Server) -> None:
     assert len(load_bytes(MediaRef.parse(server.url("/big-stream")), LOCAL)) == BIG_BODY_BYTES
 
 
-def test_http_slow_server_times_out(server: _Server) -> None:
+def test_http_slow_server_times_out(server: mh.MediaHost) -> None:
     start = time.monotonic()
     with pytest.raises(MediaFetchError, match="timed out"):
         load_bytes(MediaRef.parse(server.url("/slow")), dataclasses.replace(LOCAL, fetch_timeout_s=0.5))
     assert time.monotonic() - start < 2.0
 
 
-def test_http_redirect_followed(server: _Server, png: bytes) -> None:
+def test_http_redirect_followed(server: mh.MediaHost, png: bytes) -> None:
     assert load_bytes(MediaRef.parse(server.url("/redirect")), LOCAL) == png
     with pytest.raises(MediaFetchError, match="too many redirects"):
         load_bytes(MediaRef.parse(server.url("/redirect")), dataclasses.replace(LOCAL, max_redirects=0))
 
 
-def test_loopback_refused_by_default(server: _Server) -> None:
+def test_loopback_refused_by_default(server: mh.MediaHost) -> None:
     before = len(server.paths)
     for url in (server.url("/img.png"), server.url("/img.png").replace("127.0.0.1", "[::1]")):
         with pytest.raises(MediaForbiddenError, match="loopback"):
