@@ -34,7 +34,8 @@ from mmserve.multimodal.cache import EmbeddingCache
 from mmserve.multimodal.errors import MediaError
 from mmserve.multimodal.items import Modality
 from mmserve.multimodal.media import MediaRef
-from mmserve.transport.cluster_auth import HTTP_HEADER, ClusterSecret
+from mmserve.transport import cluster_auth
+from mmserve.transport.cluster_auth import HTTP_HEADER
 from mmserve.transport.embedding_wire import EmbeddingItem, PartError, encode_error, encode_part
 from mmserve.transport.zmq_channel import EmbeddingSender, SendTimeout
 
@@ -67,7 +68,7 @@ class EncoderService:
                                     cfg.max_batch_items, cfg.max_batch_wait_ms)  # fmt: skip
         self.cache = EmbeddingCache(cfg.embedding_cache_mb)
         self.encoder = MultimodalEncoder(BatchedTower(self.batcher), self.processor, self.cache, cfg.media)
-        self.secret = ClusterSecret(cfg.cluster_secret.encode()) if cfg.cluster_secret else None
+        self.secret = cluster_auth.from_config(cfg.cluster_secret)
         self.sender = EmbeddingSender(cfg.send_timeout_s, signer=self.secret)
         self.metrics = EncoderMetrics()
         self.pending = 0
@@ -182,7 +183,8 @@ async def register_loop(cfg: EncoderConfig, stop: asyncio.Event) -> None:
     was explicitly unregistered there.
     """
     registered: set[str] = set()
-    headers = ClusterSecret(cfg.cluster_secret.encode()).headers if cfg.cluster_secret else {}
+    secret = cluster_auth.from_config(cfg.cluster_secret)
+    headers = secret.headers if secret else {}
     async with httpx.AsyncClient(timeout=5.0, headers=headers) as client:
         while not stop.is_set():
             for base in cfg.register_urls:

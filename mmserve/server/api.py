@@ -24,7 +24,8 @@ from mmserve.server.engine_client import EngineClient
 from mmserve.server.metrics import ServerMetrics
 from mmserve.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, usage
 from mmserve.server.serving import Generation
-from mmserve.transport.cluster_auth import HTTP_HEADER, ClusterSecret
+from mmserve.transport import cluster_auth
+from mmserve.transport.cluster_auth import HTTP_HEADER
 from mmserve.transport.messages import MediaItemMsg
 
 DISCONNECT_POLL_S = 0.5
@@ -305,7 +306,7 @@ def build_app(
             raise APIError(400, 'body must be {"url": "http(s)://host:port"}', "invalid_encoder_url")
         return url.rstrip("/"), body
 
-    secret = ClusterSecret(cfg.cluster_secret.encode()) if cfg.cluster_secret else None
+    secret = cluster_auth.from_config(cfg.cluster_secret)
 
     def check_cluster_token(request: Request) -> None:
         if secret is not None and not secret.check_token(request.headers.get(HTTP_HEADER)):

@@ -7,7 +7,6 @@ and stopped with the server (SIGTERM, then SIGKILL).
 from __future__ import annotations
 
 import asyncio
-import os
 import socket
 import subprocess
 import sys
@@ -15,10 +14,11 @@ import sys
 import httpx
 
 from mmserve.config import EngineConfig
-from mmserve.transport.cluster_auth import ENV_VAR
+from mmserve.transport.cluster_auth import child_env
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A port free on 127.0.0.1 now; another process may still take it before the child binds it."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -32,7 +32,7 @@ class EncoderWorkers:
         self.urls: list[str] = []
         media = engine_cfg.media
         for _ in range(count):
-            port = _free_port()
+            port = free_port()
             cmd = [sys.executable, "-m", "mmserve.cli", "encoder", "--model", engine_cfg.model, "--port", str(port),
                    "--dtype", engine_cfg.dtype, "--device", engine_cfg.device, "--log-level", log_level,
                    "--embedding-cache-mb", str(engine_cfg.embedding_cache_mb),
@@ -52,11 +52,7 @@ class EncoderWorkers:
                 import json
 
                 cmd += ["--mm-processor-kwargs", json.dumps(dict(engine_cfg.mm_processor_kwargs))]
-            env = dict(os.environ)
-            env.pop(ENV_VAR, None)
-            if cluster_secret:  # through the environment, never argv
-                env[ENV_VAR] = cluster_secret
-            self.procs.append(subprocess.Popen(cmd, env=env))
+            self.procs.append(subprocess.Popen(cmd, env=child_env(cluster_secret)))
             self.urls.append(f"http://127.0.0.1:{port}")
 
     async def wait_healthy(self, timeout_s: float) -> None:

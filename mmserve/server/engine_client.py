@@ -22,7 +22,7 @@ import zmq.asyncio
 
 from mmserve.config import EngineConfig
 from mmserve.transport import messages as m
-from mmserve.transport.cluster_auth import ENV_VAR
+from mmserve.transport.cluster_auth import child_env
 
 logger = logging.getLogger("mmserve.server")
 
@@ -65,11 +65,7 @@ class EngineClient:
 
         cmd = [sys.executable, "-m", "mmserve.engine.loop", "--config", engine_config_to_json(self.cfg),
                "--input-addr", self.input_addr, "--output-addr", self.output_addr, "--log-level", self.log_level]  # fmt: skip
-        env = dict(os.environ)
-        env.pop(ENV_VAR, None)
-        if self.cluster_secret:  # through the environment: argv is visible to every user of the machine
-            env[ENV_VAR] = self.cluster_secret
-        self.proc = subprocess.Popen(cmd, env=env)
+        self.proc = subprocess.Popen(cmd, env=child_env(self.cluster_secret))
         deadline = asyncio.get_running_loop().time() + timeout_s
         while self.ready is None:
             if self.proc.poll() is not None:

@@ -20,7 +20,7 @@ from mmserve.dispatch.policy import make_policy
 from mmserve.dispatch.registry import EncoderRegistry, RegistryConfig
 from mmserve.server.encoder_workers import EncoderWorkers
 from mmserve.server.engine_client import EngineClient, EngineDeadError
-from mmserve.transport.cluster_auth import ClusterSecret
+from mmserve.transport import cluster_auth
 
 logger = logging.getLogger("mmserve.server")
 
@@ -33,7 +33,7 @@ def build_dispatcher(
         probe_interval_s=server_cfg.encoder_probe_interval_s, probe_timeout_s=server_cfg.encoder_probe_timeout_s,
     ))  # fmt: skip
     # Two attempts per part (first encoder, one retry) must fit well inside the engine's deadline.
-    secret = ClusterSecret(server_cfg.cluster_secret.encode()) if server_cfg.cluster_secret else None
+    secret = cluster_auth.from_config(server_cfg.cluster_secret)
     return Dispatcher(registry, make_policy(server_cfg.encoder_routing), client, ready.embedding_endpoint,
                       ready.has_vision, attempt_timeout_s=engine_cfg.encode_timeout_s / 3,
                       headers=secret.headers if secret else None)  # fmt: skip

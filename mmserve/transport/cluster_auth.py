@@ -43,6 +43,19 @@ def resolve_secret(flag_value: str | None) -> ClusterSecret | None:
     return ClusterSecret(value.encode()) if value else None
 
 
+def from_config(value: str | None) -> ClusterSecret | None:
+    """The secret of a config field (`ServerConfig.cluster_secret`, `EncoderConfig.cluster_secret`), if set."""
+    return ClusterSecret(value.encode()) if value else None
+
+
+def child_env(value: str | None) -> dict[str, str]:
+    """This process's environment for a child process, carrying exactly the given secret (or none)."""
+    env = {k: v for k, v in os.environ.items() if k != ENV_VAR}
+    if value:  # through the environment: argv is visible to every user of the machine
+        env[ENV_VAR] = value
+    return env
+
+
 def _bytes(frame: bytes | memoryview | zmq.Frame) -> memoryview:
     view = frame.buffer if isinstance(frame, zmq.Frame) else memoryview(frame)
     return view if view.format == "B" and view.ndim == 1 else view.cast("B")
