@@ -46,20 +46,21 @@ def media_config_from_args(args: argparse.Namespace):
         allowed_local_media_path=args.allowed_local_media_path,
         allowed_media_domains=tuple(args.allowed_media_domains or ()), allow_private_urls=args.allow_private_media_urls,
         allowed_media_networks=tuple(args.allowed_media_networks or ()),
-        media_host_overrides=tuple(_host_override(x) for x in args.media_resolve or ()),
+        media_host_overrides=tuple(args.media_resolve or ()),
     )  # fmt: skip
 
 
 def _host_override(text: str) -> tuple[str, str]:
+    """argparse type of --media-resolve: "HOST=IP" -> (normalised host, IP)."""
     import ipaddress
 
-    host, sep, ip = text.partition("=")
+    host, _, ip = text.partition("=")
     try:
         ipaddress.ip_address(ip)
     except ValueError:
-        raise SystemExit(f"--media-resolve: expected HOST=IP, got {text!r}") from None
-    if not sep or not host:
-        raise SystemExit(f"--media-resolve: expected HOST=IP, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected HOST=IP, got {text!r}") from None
+    if not host:
+        raise argparse.ArgumentTypeError(f"expected HOST=IP, got {text!r}")
     return host.rstrip(".").lower(), ip
 
 
@@ -158,6 +159,7 @@ def add_media_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--media-resolve",
+        type=_host_override,
         nargs="*",
         default=None,
         metavar="HOST=IP",
