@@ -93,7 +93,7 @@ def _serve(args: argparse.Namespace) -> int:
     from mmserve.config import ServerConfig
     from mmserve.server.launch import serve
 
-    limits = {"image": 8, "video": 1, "audio": 1}
+    limits = dict(ServerConfig.limit_mm_per_prompt)
     limits.update(_json_arg(args.limit_mm_per_prompt, "--limit-mm-per-prompt"))
     server_cfg = ServerConfig(
         host=args.host, port=args.port, served_model_name=args.served_model_name or args.model,
@@ -200,8 +200,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True)
 
+    from mmserve.models.family import FAMILIES
+
     p = sub.add_parser("make-tiny-model", help="build a random-weight checkpoint offline")
-    p.add_argument("--arch", choices=["qwen2_vl", "qwen2_5_vl"], default="qwen2_vl")
+    p.add_argument("--arch", choices=sorted(FAMILIES), default="qwen2_vl", help="HF model_type of the family")
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--size", choices=["tiny", "small"], default="tiny")
     p.add_argument("--seed", type=int, default=0)
@@ -222,7 +224,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--encoder-workers", type=int, default=0, help="spawn N local encoder processes (EPD)")
     p.add_argument(
-        "--language-only", action="store_true", help="load no vision weights; media via encoders only"
+        "--language-only", action="store_true", help="load no tower weights; media via encoders only"
     )
     p.add_argument(
         "--encoder-routing",
@@ -237,7 +239,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_cluster_args(p)
     p.set_defaults(func=_serve)
 
-    p = sub.add_parser("encoder", help="standalone vision encoder service (vision weights only)")
+    p = sub.add_parser("encoder", help="standalone encoder service (tower weights only: vision or audio)")
     p.add_argument("--model", required=True, help="local checkpoint directory or hub id")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=9000)

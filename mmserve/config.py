@@ -40,28 +40,14 @@ class MediaConfig:
     # The address is still checked against the refused classes, so this cannot open a hole by itself.
     media_host_overrides: tuple[tuple[str, str], ...] = ()
 
-
-@dataclass(frozen=True)
-class VisionPreprocessConfig:
-    """Output-relevant preprocessing settings of the Qwen2-VL family.
-
-    Every field changes the pixels the tower sees, so all of them enter the content hash: an item
-    preprocessed with other settings is a different cache entry.
-    """
-
-    patch_size: int = 14
-    temporal_patch_size: int = 2
-    merge_size: int = 2
-    image_min_pixels: int = 56 * 56
-    image_max_pixels: int = 28 * 28 * 1280
-    video_min_pixels: int = 128 * 28 * 28
-    video_max_pixels: int = 768 * 28 * 28
-    image_mean: tuple[float, ...] = (0.48145466, 0.4578275, 0.40821073)
-    image_std: tuple[float, ...] = (0.26862954, 0.26130258, 0.27577711)
-
-    @property
-    def factor(self) -> int:
-        return self.patch_size * self.merge_size
+    def hash_settings(self, modality: str) -> dict[str, object]:
+        """The sampling settings that change what the model sees of an item of `modality` (the frames kept):
+        they enter the content hash, so the same video bytes sampled to another frame count get another hash
+        and pad value. Limits that only refuse media are not here; the audio rate is the family's (it
+        hashes it with its feature settings)."""
+        if modality == "video":
+            return {"video_fps": self.video_fps, "max_video_frames": self.max_video_frames}
+        return {}
 
 
 @dataclass(frozen=True)
@@ -78,9 +64,6 @@ class ModelConfig:
     head_dim: int
     max_model_len: int
     eos_token_ids: tuple[int, ...]
-    image_token_id: int | None = None
-    video_token_id: int | None = None
-    uses_mrope: bool = False
 
     @classmethod
     def from_hf(cls, model_path: str, hf_config, max_model_len: int | None = None) -> ModelConfig:
@@ -88,7 +71,6 @@ class ModelConfig:
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
         eos = getattr(text, "eos_token_id", None) or getattr(hf_config, "eos_token_id", None)
         eos_ids = tuple(eos) if isinstance(eos, list | tuple) else ((eos,) if eos is not None else ())
-        rope = getattr(text, "rope_parameters", None) or {}
         return cls(
             model_path=model_path,
             model_type=hf_config.model_type,
@@ -100,9 +82,6 @@ class ModelConfig:
             head_dim=head_dim,
             max_model_len=min(max_model_len or text.max_position_embeddings, text.max_position_embeddings),
             eos_token_ids=eos_ids,
-            image_token_id=getattr(hf_config, "image_token_id", None),
-            video_token_id=getattr(hf_config, "video_token_id", None),
-            uses_mrope="mrope_section" in rope,
         )
 
 
@@ -151,7 +130,7 @@ class ServerConfig:
     port: int = 8000
     served_model_name: str = ""
     api_key: str | None = None
-    limit_mm_per_prompt: tuple[tuple[str, int], ...] = (("image", 8), ("video", 1), ("audio", 1))
+    limit_mm_per_prompt: tuple[tuple[str, int], ...] = (("image", 8), ("video", 1), ("audio", 4))
     max_waiting_requests: int = 256  # beyond running + this many queued, new requests get 503
     max_request_body_bytes: int = 64 * 1024 * 1024
     engine_start_timeout_s: float = 600.0

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mmserve.config import EngineConfig, MediaConfig
+from mmserve.encoder.runner import EncodeTimings, MediaInput, build_encoder
 from mmserve.engine.detokenizer import IncrementalDetokenizer
 from mmserve.engine.engine import BatchFailed, Engine
 from mmserve.engine.sampling_params import SamplingParams
@@ -58,6 +59,12 @@ def _media_ref(value: Any) -> MediaRef:
         buf = io.BytesIO()
         value.save(buf, format="PNG")
         return MediaRef.from_bytes(buf.getvalue())
+    if isinstance(value, tuple) and len(value) == 2:  # audio as vLLM takes it: (samples, sample rate)
+        import soundfile
+
+        buf = io.BytesIO()
+        soundfile.write(buf, value[0], int(value[1]), format="WAV", subtype="FLOAT")
+        return MediaRef.from_bytes(buf.getvalue())
     raise ValueError(f"unsupported media value of type {type(value).__name__}")
 
 
@@ -71,7 +78,11 @@ class LLM:
         if isinstance(kwargs.get("mm_processor_kwargs"), dict):
             kwargs["mm_processor_kwargs"] = tuple(kwargs["mm_processor_kwargs"].items())
         path = resolve_model_path(model)
-        self.engine = Engine(EngineConfig(model=path, media=media, **kwargs))
+        cfg = EngineConfig(model=path, media=media, **kwargs)
+        self.engine = Engine(cfg)
+        # The local encoder is the engine's peer, not part of it (as in the server's engine process).
+        self.encoder = None if cfg.language_only else build_encoder(self.engine.family, cfg.dtype, cfg.device,
+                                                                    cfg.embedding_cache_mb, media)  # fmt: skip
         self.tokenizer = load_tokenizer(path)
         self._ids = itertools.count()
 
@@ -90,8 +101,8 @@ class LLM:
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None):
         """Raw prompts: strings, token id lists, or {"prompt" | "prompt_token_ids", "multi_modal_data"}.
 
-        `multi_modal_data` maps "image" / "video" to one item or a list (URL strings, bytes, PIL images);
-        the prompt must hold one placeholder token per item.
+        `multi_modal_data` maps "image" / "video" / "audio" to one item or a list (URL strings, bytes, PIL
+        images, `(samples, sample_rate)` audio); the prompt must hold one placeholder token per item.
         """
         if isinstance(prompts, str | dict):
             prompts = [prompts]
@@ -112,6 +123,22 @@ class LLM:
         return self._run(prepared, sampling_params)
 
     # -- the loop -------------------------------------------------------------------------------
+    def encode(self, media: list[tuple[Modality, MediaRef]]) -> tuple[list, EncodeTimings]:
+        """Encode one prompt's media (in order) with the local encoder. Raises MediaError naming the item."""
+        timings = EncodeTimings()
+        if not media:
+            return [], timings
+        if self.encoder is None:
+            raise ValueError("this LLM was built with language_only=True and cannot encode media")
+        settings = self.engine.family.item_settings([mod for mod, _ in media])
+        inputs = [MediaInput(mod, ref, s) for (mod, ref), s in zip(media, settings, strict=True)]
+        return self.encoder.encode_all(inputs, timings, self.engine.cfg.max_mm_pixels_per_prompt), timings
+
+    def check_integrity(self) -> None:
+        self.engine.check_integrity()
+        if self.encoder is not None:
+            self.encoder.check_integrity()
+
     def _run(self, prompts: list[tuple[list[int], list]], sampling_params) -> list[RequestOutput]:
         params = (
             sampling_params
@@ -124,7 +151,9 @@ class LLM:
         try:
             for (ids, media), p in zip(prompts, params, strict=True):
                 rid = f"llm-{next(self._ids)}"
-                reqs[rid] = self.engine.add_request(rid, ids, p, media)
+                items, timings = self.encode(media)
+                reqs[rid] = self.engine.add_request(rid, ids, p, items)
+                reqs[rid].encode_timings = timings
                 detoks[rid] = IncrementalDetokenizer(self.tokenizer, p)
                 order.append(rid)
         except Exception:

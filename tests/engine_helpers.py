@@ -14,7 +14,7 @@ from PIL import Image
 from mmserve.engine.sampler import Sampler
 from mmserve.multimodal.items import Modality
 from mmserve.multimodal.media import decode_image, decode_video
-from mmserve.testing.reference import hf_generate, prepare_prompt
+from mmserve.testing.reference import HFReference
 from tests.conftest import random_image
 
 
@@ -55,7 +55,7 @@ def image_case(seeds: list[int], text: str, system: str | None = None, sizes=Non
     if system is not None:
         messages.insert(0, {"role": "system", "content": system})
     # The oracle sees exactly what the server decodes from the PNG.
-    decoded = [(Modality.IMAGE, decode_image(_png(im), _media_cfg())) for im in images]
+    decoded = [(Modality.IMAGE, decode_image(png_bytes(im), _media_cfg())) for im in images]
     return Case(messages, decoded)
 
 
@@ -71,7 +71,7 @@ def text_case(text: str) -> Case:
     return Case([{"role": "user", "content": text}], [])
 
 
-def _png(image: Image.Image) -> bytes:
+def png_bytes(image: Image.Image) -> bytes:
     buf = io.BytesIO()
     image.save(buf, format="PNG")
     return buf.getvalue()
@@ -89,9 +89,9 @@ def template_messages(messages: list) -> list:
     return parse_messages(messages)[0]
 
 
-def reference(model, tokenizer, processor, case: Case, max_new_tokens: int):
-    prompt, processed = prepare_prompt(tokenizer, processor, template_messages(case.messages), case.media)
-    return hf_generate(model, prompt, processed, max_new_tokens=max_new_tokens)
+def reference(ref: HFReference, case: Case, max_new_tokens: int):
+    """HF generate on `case` with inputs from transformers' own processor (see mmserve.testing.reference)."""
+    return ref.generate(template_messages(case.messages), case.media, max_new_tokens=max_new_tokens)
 
 
 class RecordingSampler(Sampler):
@@ -107,3 +107,39 @@ class RecordingSampler(Sampler):
 
     def logits_for(self, params) -> torch.Tensor:
         return torch.stack(self.rows[id(params)])
+
+
+def reference_text(model_dir: str, max_new_tokens: int, mm_processor_kwargs: dict | None = None,
+                   dtype: str = "float32"):  # fmt: skip
+    """A function: Case -> the HF reference's greedy text (special tokens skipped, as the server answers)."""
+    ref = HFReference(model_dir, dtype=dtype, mm_processor_kwargs=mm_processor_kwargs)
+    return lambda case, max_new=max_new_tokens: ref.tokenizer.decode(
+        reference(ref, case, max_new).token_ids, skip_special_tokens=True
+    )
+
+
+def wav_bytes(seed: int, seconds: float, rate: int = 16_000) -> bytes:
+    """A seeded clip as 16-bit PCM WAV: three tones spread over the spectrum, each switched on and off
+    every 50 ms at random, plus noise (so that the mel features of two seeds really differ)."""
+    import soundfile
+
+    rng = np.random.RandomState(seed)
+    t = np.arange(int(seconds * rate)) / rate
+    samples = 0.02 * rng.randn(t.shape[0])
+    for freq in rng.uniform(100, rate / 2 - 500, size=3):
+        gates = rng.rand(int(seconds * 20) + 1) < 0.5
+        samples += 0.25 * np.sin(2 * np.pi * freq * t) * gates[(t * 20).astype(int)]
+    buf = io.BytesIO()
+    soundfile.write(buf, samples.astype(np.float32), rate, format="WAV", subtype="PCM_16")
+    return buf.getvalue()
+
+
+def audio_case(seeds: list[int], text: str, seconds: list[float] | None = None) -> Case:
+    from mmserve.multimodal.media import decode_audio
+
+    seconds = seconds or [0.6] * len(seeds)
+    clips = [wav_bytes(s, sec) for s, sec in zip(seeds, seconds, strict=True)]
+    parts = [{"type": "input_audio", "input_audio": {"data": base64.b64encode(c).decode(), "format": "wav"}}
+             for c in clips]  # fmt: skip
+    messages = [{"role": "user", "content": [*parts, {"type": "text", "text": text}]}]
+    return Case(messages, [(Modality.AUDIO, decode_audio(c, _media_cfg())) for c in clips])

@@ -248,13 +248,9 @@ def _cases() -> dict[str, Case]:
             const(chat(video_bytes(bm.video_without_frames(), "video/avi"))), 400, "no frames"
         ),
         "video_claims_10_hours": Case(const(chat(video_bytes(bm.video_claiming_hours()))), 413, "36001"),
-        "audio_wav_u8": Case(
-            const(chat(audio(bm.wav(subtype="PCM_U8")))), 400, "not supported by this model"
-        ),
-        "audio_wav_float64": Case(
-            const(chat(audio(bm.wav(subtype="DOUBLE")))), 400, "not supported by this model"
-        ),
-        "audio_garbage_bytes": Case(const(chat(audio(bm.garbage()))), 400, "audio #1"),
+        "audio_wav_u8": Case(const(chat(audio(bm.wav(subtype="PCM_U8")))), 400, "takes no audio input"),
+        "audio_wav_float64": Case(const(chat(audio(bm.wav(subtype="DOUBLE")))), 400, "takes no audio input"),
+        "audio_garbage_bytes": Case(const(chat(audio(bm.garbage()))), 400, "takes no audio input"),
         # http(s) fetches: the SSRF guard (only 127.0.0.1 is allowed, by --allowed-media-networks)
         "url_ok_control": Case(fetched("/ok.png"), 200, ""),
         "url_pinned_host_ok_control": Case(fetched("/ok.png", host="media.test"), 200, ""),

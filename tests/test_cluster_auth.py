@@ -9,12 +9,12 @@ import pytest
 import torch
 import zmq
 
-from mmserve.models.loader import load_model, load_processor, load_tokenizer
+from mmserve.multimodal.items import MAIN, ItemEmbedding, Modality
 from mmserve.testing.server_process import start_encoder, start_server
 from mmserve.transport.cluster_auth import ENV_VAR, HTTP_HEADER, ClusterSecret, PartRejected, PartVerifier
 from mmserve.transport.embedding_wire import EmbeddingItem, encode_part
 from mmserve.transport.zmq_channel import EmbeddingReceiver, EmbeddingSender
-from tests.engine_helpers import image_case, reference
+from tests.engine_helpers import image_case, reference_text
 
 SECRET = "correct horse battery staple"
 OTHER = "another secret, sixteen+ bytes"
@@ -22,7 +22,7 @@ MAX_NEW = 6
 
 
 def part(rid: str = "req-1", value: float = 1.0) -> list:
-    item = EmbeddingItem(0, bytes(16), "image", (1, 2, 2), 1.0, torch.full((1, 8), value))
+    item = EmbeddingItem(0, ItemEmbedding(Modality.IMAGE, bytes(16), {MAIN: torch.full((1, 8), value)}))
     return [bytes(f) for f in encode_part(rid, 0, 1, "enc", [item])]
 
 
@@ -94,7 +94,7 @@ def test_signed_channel_round_trip_counts_forgeries():
             EmbeddingSender(ctx=ctx, signer=secret) as good, EmbeddingSender(ctx=ctx) as unsigned:  # fmt: skip
         good.send(rx.endpoint, part("r1", 2.0))
         header, items = rx.recv_part(5)
-        assert header.request_id == "r1" and torch.equal(items[0].embedding, torch.full((1, 8), 2.0))
+        assert header.request_id == "r1" and torch.equal(items[0].item.embedding, torch.full((1, 8), 2.0))
         unsigned.send(rx.endpoint, part("r2"))
         with pytest.raises(PartRejected, match="frames"):
             rx.recv_part(5)
@@ -129,9 +129,8 @@ def auth_counts(url: str) -> dict:
 
 
 def test_secured_epd_matches_hf(secured, tiny_qwen2_vl):
-    model, tok, proc = (f(tiny_qwen2_vl) for f in (load_model, load_tokenizer, load_processor))
     case = image_case([41], "Describe it.")
-    want = tok.decode(reference(model, tok, proc, case, MAX_NEW).token_ids, skip_special_tokens=True)
+    want = reference_text(tiny_qwen2_vl, MAX_NEW)(case)
     r = chat(secured.url, case)
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["message"]["content"] == want

@@ -32,10 +32,10 @@ def test_control_top_left_causal_mask_for_a_chunk(tiny_qwen2_vl, oracle, monkeyp
 
 
 def test_control_missing_rope_delta(tiny_qwen2_vl, oracle, monkeypatch):
-    from mmserve.multimodal.processors.qwen2_vl import QwenVLProcessor
+    from mmserve.models.qwen2_vl import Family
 
-    real = QwenVLProcessor.positions
-    monkeypatch.setattr(QwenVLProcessor, "positions", lambda self, ex: (real(self, ex)[0], 0))
+    real = Family.positions
+    monkeypatch.setattr(Family, "positions", lambda self, ex: (real(self, ex)[0], 0))
     assert tokens(make_llm(tiny_qwen2_vl)) != [oracle(CASES[0]).token_ids]
 
 
@@ -169,12 +169,59 @@ def test_pixel_limit_per_request_stops_encoding_at_the_item_that_crosses_it(tiny
     probe = make_llm(tiny_qwen2_vl)
     case = image_case([90, 91, 92], "Three images.")
     modality, image = case.media[0]
-    per_image = probe.engine.processor.input_pixels(
-        modality, probe.engine.processor.process(modality, image).grid_thw
-    )
+    family = probe.engine.family
+    per_image = family.input_pixels(modality, family.process(modality, image, {}).metadata)
     llm = make_llm(tiny_qwen2_vl, max_mm_pixels_per_prompt=int(per_image * 1.5))
     with pytest.raises(MediaTooLargeError, match="--max-mm-pixels-per-prompt"):
         llm.chat([case.messages], [greedy()])
-    assert llm.engine.encoder.cache.stats.queries == 2  # the third image was never fetched or encoded
+    assert llm.encoder.cache.stats.queries == 2  # the third image was never fetched or encoded
     assert tokens(llm, [image_case([90], "One image.")])  # under the limit: served
     assert_idle_and_clean(llm)
+
+
+# -- Qwen3-VL DeepStack: the features must enter, and at the right layers -----------------------------
+@pytest.fixture(scope="module")
+def qwen3(tiny_qwen3_vl):
+    from tests.families import FAMILIES
+
+    kwargs = FAMILIES["qwen3_vl"].mm_kwargs
+    cases = [image_case([s], "What is in the picture?") for s in range(65, 71)]
+    cases += [image_case([s, s + 1], "Compare.", sizes=[(64, 48), (96, 64)]) for s in (65, 75)]
+    oracle = make_oracle(tiny_qwen3_vl, kwargs)
+    return tiny_qwen3_vl, kwargs, cases, [oracle(c).token_ids for c in cases]
+
+
+def changed(qwen3) -> int:
+    """How many of the cases' greedy tokens differ from HF's (the engine's path as currently patched)."""
+    model_dir, kwargs, cases, want = qwen3
+    return sum(got != ref for got, ref in zip(tokens(make_llm(model_dir, kwargs), cases), want, strict=True))
+
+
+def test_control_deepstack_features_dropped(qwen3, monkeypatch):
+    from mmserve.models.qwen3_vl import Family
+
+    assert changed(qwen3) == 0  # the real path is right...
+    monkeypatch.setattr(
+        Family, "lm_inputs", lambda self, n, positions, rows: {}
+    )  # ...without DeepStack it is not
+    assert changed(qwen3) >= 3
+
+
+def test_control_deepstack_features_on_the_wrong_layer(qwen3, monkeypatch):
+    import torch
+
+    from mmserve.models.qwen3_vl import Family
+
+    real = Family.lm_inputs
+
+    def one_layer_late(self, n, positions, rows):
+        out = real(self, n, positions, rows)
+        levels = out["deepstack_visual_embeds"]
+        out["deepstack_visual_embeds"] = [
+            torch.zeros_like(levels[0]),
+            *levels[:-1],
+        ]  # level k after layer k+1
+        return out
+
+    monkeypatch.setattr(Family, "lm_inputs", one_layer_late)
+    assert changed(qwen3) >= 3

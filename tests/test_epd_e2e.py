@@ -12,10 +12,9 @@ import httpx
 import pytest
 import zmq
 
-from mmserve.models.loader import load_model, load_processor, load_tokenizer
 from mmserve.testing.probes import metric, open_fds
 from mmserve.testing.server_process import free_port, start_encoder, start_server
-from tests.engine_helpers import image_case, reference, video_case
+from tests.engine_helpers import image_case, reference_text, video_case
 
 MAX_NEW = 8
 MM_KWARGS = '{"video_min_pixels": 3136, "video_max_pixels": 12544}'
@@ -28,11 +27,7 @@ def logs(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def expected(tiny_qwen2_vl):
-    model, tok = load_model(tiny_qwen2_vl), load_tokenizer(tiny_qwen2_vl)
-    proc = load_processor(tiny_qwen2_vl, mm_processor_kwargs=json.loads(MM_KWARGS))
-    return lambda case: tok.decode(
-        reference(model, tok, proc, case, MAX_NEW).token_ids, skip_special_tokens=True
-    )
+    return reference_text(tiny_qwen2_vl, MAX_NEW, json.loads(MM_KWARGS))
 
 
 def chat(url: str, case, timeout: float = 60, **extra) -> httpx.Response:
@@ -98,6 +93,7 @@ def test_64_concurrent_requests_across_two_encoders(epd2):
 
 def test_malformed_and_unknown_parts_are_dropped_and_counted(epd2):
     endpoint = httpx.get(epd2.url + "/encoders", timeout=10).json()["embedding_endpoint"]
+    from mmserve.multimodal.items import MAIN, ItemEmbedding, Modality
     from mmserve.transport.embedding_wire import EmbeddingItem, encode_part
 
     ctx = zmq.Context()
@@ -106,7 +102,7 @@ def test_malformed_and_unknown_parts_are_dropped_and_counted(epd2):
     sock.connect(endpoint)
     import torch
 
-    item = EmbeddingItem(0, bytes(16), "image", (1, 2, 2), 1.0, torch.zeros(1, 64))
+    item = EmbeddingItem(0, ItemEmbedding(Modality.IMAGE, bytes(16), {MAIN: torch.zeros(1, 64)}))
     sock.send_multipart([b"not msgpack", b""])
     sock.send_multipart(encode_part("no-such-request", 0, 1, "forger", [item]))
     sock.close()
@@ -293,16 +289,13 @@ def test_registration_unregistration_and_server_restart(tiny_qwen2_vl, expected,
 
 
 def test_four_encoders_in_bfloat16_match_hf_bfloat16(tiny_qwen2_vl, logs):
-    import torch
 
-    model = load_model(tiny_qwen2_vl, dtype=torch.bfloat16)
-    tok = load_tokenizer(tiny_qwen2_vl)
-    proc = load_processor(tiny_qwen2_vl, mm_processor_kwargs=json.loads(MM_KWARGS))
+    expected = reference_text(tiny_qwen2_vl, MAX_NEW, json.loads(MM_KWARGS), dtype="bfloat16")
     server = start_server(tiny_qwen2_vl, "--kv-cache-mb", "16", "--dtype", "bfloat16", "--encoder-workers", "4",
                           "--encoder-routing", "round_robin", "--mm-processor-kwargs", MM_KWARGS, log_dir=logs)  # fmt: skip
     try:
         for case in (image_case([120, 121, 122, 123], "Four, in bf16."), video_case(124, "A bf16 video.")):
-            ref = tok.decode(reference(model, tok, proc, case, MAX_NEW).token_ids, skip_special_tokens=True)
+            ref = expected(case)
             r = chat(server.url, case)
             assert content(r) == ref
         assert len(r.json()["mmserve"]["encoded_by"].split(", ")) == 1  # the video: one item, one encoder

@@ -14,11 +14,10 @@ import time
 import httpx
 import pytest
 
-from mmserve.models.loader import load_model, load_processor, load_tokenizer
 from mmserve.testing.load import Call, Outcome, run_closed_loop, summarize
 from mmserve.testing.probes import metric, settled_integrity
 from mmserve.testing.server_process import start_encoder, start_server
-from tests.engine_helpers import image_case, reference
+from tests.engine_helpers import image_case, reference_text
 
 MAX_NEW = 8
 
@@ -31,10 +30,8 @@ def logs(tmp_path_factory):
 @pytest.fixture(scope="module")
 def expected(tiny_qwen2_vl):
     """Greedy HF reference text of `image_case([seed], text)`."""
-    model, tok, proc = load_model(tiny_qwen2_vl), load_tokenizer(tiny_qwen2_vl), load_processor(tiny_qwen2_vl)
-    return lambda seed, text, max_new=MAX_NEW: tok.decode(
-        reference(model, tok, proc, image_case([seed], text), max_new).token_ids, skip_special_tokens=True
-    )
+    text_of = reference_text(tiny_qwen2_vl, MAX_NEW)
+    return lambda seed, text, max_new=MAX_NEW: text_of(image_case([seed], text), max_new)
 
 
 def chat_call(seed: int, text: str, max_tokens: int = MAX_NEW, stream: bool = False, **extra) -> Call:

@@ -39,8 +39,12 @@ def test_pad_value_keeps_61_bits_of_digest():
 
 
 def test_item_offsets_are_half_open():
-    item = MultimodalItem(Modality.IMAGE, content_hash(Modality.IMAGE, b"x", {}), num_tokens=6, offset=10)
+    item = MultimodalItem(
+        Modality.IMAGE, content_hash(Modality.IMAGE, b"x", {}), num_tokens=6, offset=10, span=6
+    )
     assert (item.offset, item.end) == (10, 16)
+    # A span may be longer than the item's rows when the family puts text inside it (Qwen3-VL timestamps).
+    assert MultimodalItem(Modality.VIDEO, item.content_hash, num_tokens=6, offset=10, span=9).end == 19
     assert item.pad_value == pad_value(item.content_hash)
 
 

@@ -1,30 +1,26 @@
-"""The HF parity oracle reacts to images: a different image gives different greedy tokens."""
+"""The HF parity oracle: transformers' own processor classes, deterministic, and it reacts to the media."""
 
 from __future__ import annotations
 
-from mmserve.models.loader import load_model, load_processor, load_tokenizer
-from mmserve.multimodal.items import Modality
-from mmserve.testing.reference import hf_generate, prepare_prompt
-from tests.conftest import random_image
+import pytest
 
-MESSAGES = [
-    {"role": "user", "content": [{"type": "image_url"}, {"type": "text", "text": "Describe the image."}]}
-]
+from mmserve.testing.reference import HFReference
+from tests.engine_helpers import reference
+from tests.families import FAMILIES
+
+HF_PROCESSORS = {"qwen2_vl": "Qwen2VLProcessor", "qwen2_5_vl": "Qwen2_5_VLProcessor", "qwen3_vl": "Qwen3VLProcessor",
+                 "llava_onevision": "LlavaOnevisionProcessor", "qwen2_audio": "Qwen2AudioProcessor"}  # fmt: skip
 
 
-def test_reference_output_changes_with_the_image(tiny_model_dir):
-    model, tok, proc = (
-        load_model(tiny_model_dir),
-        load_tokenizer(tiny_model_dir),
-        load_processor(tiny_model_dir),
-    )
-    out = {}
-    for seed in (0, 1, 0):
-        prompt, processed = prepare_prompt(tok, proc, MESSAGES, [(Modality.IMAGE, random_image(seed))])
-        out.setdefault(seed, []).append(hf_generate(model, prompt, processed, max_new_tokens=8))
-    first, again, other = out[0][0], out[0][1], out[1][0]
-    assert len(first.token_ids) == 8 and first.logits.shape == (8, model.config.text_config.vocab_size)
+@pytest.mark.parametrize("arch", sorted(FAMILIES))
+def test_reference_uses_transformers_processor_and_reacts_to_media(arch, tiny_model):
+    spec = FAMILIES[arch]
+    ref = HFReference(tiny_model(arch), mm_processor_kwargs=spec.mm_kwargs)
+    assert type(ref.processor).__name__ == HF_PROCESSORS[arch]
+    assert type(ref.processor).__module__.startswith("transformers.")
+    first, again, other = (reference(ref, spec.one(seed), 8) for seed in (0, 0, 1))
+    vocab = ref.model.config.get_text_config().vocab_size
+    assert len(first.token_ids) == 8 and first.logits.shape == (8, vocab)
     assert first.token_ids == again.token_ids  # deterministic
-    assert first.token_ids != other.token_ids  # the image matters
-    # the greedy tokens are the argmax of the returned logits
-    assert first.logits.argmax(-1).tolist() == first.token_ids
+    assert first.token_ids != other.token_ids  # the media matter
+    assert first.logits.argmax(-1).tolist() == first.token_ids  # greedy tokens are the logits' argmax

@@ -10,8 +10,8 @@ import httpx
 import openai
 import pytest
 
-from mmserve.models.loader import load_model, load_processor, load_tokenizer
 from mmserve.testing.probes import metric
+from mmserve.testing.reference import HFReference
 from mmserve.testing.server_process import start_server
 from tests.engine_helpers import image_case, reference
 
@@ -33,11 +33,11 @@ def client(server):
 @pytest.fixture(scope="module")
 def expected(tiny_qwen2_vl):
     """HF reference text and prompt length for a case, via the parity oracle."""
-    model, tok, proc = load_model(tiny_qwen2_vl), load_tokenizer(tiny_qwen2_vl), load_processor(tiny_qwen2_vl)
+    ref = HFReference(tiny_qwen2_vl)
 
     def run(case):
-        ref = reference(model, tok, proc, case, MAX_NEW)
-        return tok.decode(ref.token_ids, skip_special_tokens=True), len(ref.prompt.token_ids)
+        out = reference(ref, case, MAX_NEW)
+        return ref.tokenizer.decode(out.token_ids, skip_special_tokens=True), len(out.input_ids)
 
     return run
 

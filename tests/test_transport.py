@@ -11,16 +11,17 @@ import msgspec
 import pytest
 import torch
 
+from mmserve.multimodal.items import MAIN, ItemEmbedding, Modality
 from mmserve.transport.embedding_wire import (
     ITEM_ALIGN,
     WIRE_VERSION,
     EmbeddingItem,
-    PartError,
     WireError,
     decode_part,
     encode_error,
     encode_part,
 )
+from mmserve.transport.messages import Failure
 from mmserve.transport.zmq_channel import EmbeddingReceiver, EmbeddingSender, SendTimeout
 
 _INT_VIEW = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
@@ -36,8 +37,13 @@ def _special_values(dtype: torch.dtype) -> torch.Tensor:
     return t
 
 
-def _item(index: int, emb: torch.Tensor, modality: str = "image") -> EmbeddingItem:
-    return EmbeddingItem(index, bytes([index]) * 16, modality, (1, 2, 4), 0.5 * index, emb)
+def _item(
+    index: int, emb: torch.Tensor, modality: str = "image", extras: dict | None = None
+) -> EmbeddingItem:
+    tensors = {MAIN: emb, **(extras or {})}
+    return EmbeddingItem(
+        index, ItemEmbedding(Modality(modality), bytes([index]) * 16, tensors, b"meta%d" % index)
+    )
 
 
 def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -60,6 +66,12 @@ def _tamper_item(frames: list, **changes) -> list:
     return [msgspec.msgpack.encode(header), frames[1]]
 
 
+def _tamper_tensor(frames: list, **changes) -> list:
+    header = msgspec.msgpack.decode(frames[0])
+    header["items"][0]["tensors"][0].update(changes)
+    return [msgspec.msgpack.encode(header), frames[1]]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_round_trip_bit_exact(dtype: torch.dtype) -> None:
     emb = _special_values(dtype)
@@ -67,10 +79,22 @@ def test_round_trip_bit_exact(dtype: torch.dtype) -> None:
     assert header.version == WIRE_VERSION and header.request_id == "req-1" and header.error is None
     assert header.sent_at > 0
     (got,) = items
-    assert _bits_equal(got.embedding, emb)
-    assert (got.item_index, got.content_hash, got.modality) == (3, bytes([3]) * 16, "image")
-    assert got.grid_thw == (1, 2, 4) and got.second_per_grid_t == 1.5
-    got.embedding.add_(1)  # decoded tensors own writable memory
+    assert _bits_equal(got.item.embedding, emb)
+    assert (got.item_index, got.item.content_hash, got.item.modality) == (3, bytes([3]) * 16, Modality.IMAGE)
+    assert got.item.metadata == b"meta3"  # the family's metadata travels opaque
+    got.item.embedding.add_(1)  # decoded tensors own writable memory
+
+
+@pytest.mark.parametrize("copy", [True, False], ids=["copy", "view"])
+def test_named_extra_tensors_round_trip(copy: bool) -> None:
+    """Wire v2: an item carries its main rows and named extras (e.g. DeepStack levels), each aligned."""
+    main = torch.randn(6, 8)
+    extras = {"deepstack.0": torch.randn(6, 8), "deepstack.1": torch.randn(6, 4).bfloat16()}
+    header, (got,) = decode_part(encode_part("r", 0, 1, "e", [_item(0, main, extras=extras)]), copy=copy)
+    assert list(got.item.tensors) == [MAIN, "deepstack.0", "deepstack.1"]
+    assert _bits_equal(got.item.embedding, main)
+    assert all(_bits_equal(got.item.tensors[k], v) for k, v in extras.items())
+    assert all(t.offset % ITEM_ALIGN == 0 for t in header.items[0].tensors)
 
 
 @pytest.mark.parametrize("copy", [True, False], ids=["copy", "view"])
@@ -88,18 +112,19 @@ def test_multiple_items_mixed_shapes_and_dtypes(copy: bool) -> None:
     header, got = decode_part(encode_part("req-2", 1, 3, "http://enc:8000", items), copy=copy)
     assert (header.part_index, header.num_parts, header.encoder) == (1, 3, "http://enc:8000")
     assert [it.item_index for it in got] == [0, 1, 2, 3]
-    assert [it.modality for it in got] == ["image", "video", "audio", "image"]
+    assert [it.item.modality.value for it in got] == ["image", "video", "audio", "image"]
     for want, have in zip(embs, got, strict=True):
-        assert have.embedding.shape == want.shape and _bits_equal(have.embedding, want.contiguous())
-        assert have.embedding.is_contiguous()
-        assert have.embedding.data_ptr() % have.embedding.element_size() == 0
-    assert all(ih.offset % ITEM_ALIGN == 0 for ih in header.items)
+        emb = have.item.embedding
+        assert emb.shape == want.shape and _bits_equal(emb, want.contiguous())
+        assert emb.is_contiguous()
+        assert emb.data_ptr() % emb.element_size() == 0
+    assert all(t.offset % ITEM_ALIGN == 0 for ih in header.items for t in ih.tensors)
 
 
 def test_padding_between_items_is_zero() -> None:
     items = [_item(0, torch.randn(3, 5, dtype=torch.float16)), _item(1, torch.randn(2, 3))]
     header_frame, payload = encode_part("r", 0, 1, "local", items)
-    first, second = msgspec.msgpack.decode(header_frame)["items"]
+    first, second = (it["tensors"][0] for it in msgspec.msgpack.decode(header_frame)["items"])
     assert (first["offset"], second["offset"]) == (0, ITEM_ALIGN)
     assert bytes(payload)[first["nbytes"] : ITEM_ALIGN] == b"\0" * (ITEM_ALIGN - first["nbytes"])
     assert len(payload) == ITEM_ALIGN + second["nbytes"]
@@ -110,8 +135,9 @@ def test_view_decode_of_misaligned_item_copies(dtype: torch.dtype) -> None:
     emb = _special_values(dtype)
     frames = encode_part("r", 0, 1, "local", [_item(0, emb)])
     payload = bytearray(b"\0" + bytes(frames[1]))  # unpadded producers may put an item at any offset
-    _, (got,) = decode_part(_tamper_item([frames[0], payload], offset=1), copy=False)
-    assert got.embedding.data_ptr() % got.embedding.element_size() == 0 and _bits_equal(got.embedding, emb)
+    _, (got,) = decode_part(_tamper_tensor([frames[0], payload], offset=1), copy=False)
+    emb_got = got.item.embedding
+    assert emb_got.data_ptr() % emb_got.element_size() == 0 and _bits_equal(emb_got, emb)
 
 
 def test_view_decode_shares_the_payload_and_keeps_it_alive() -> None:
@@ -122,16 +148,19 @@ def test_view_decode_shares_the_payload_and_keeps_it_alive() -> None:
         warnings.simplefilter("error")  # the read-only-buffer warning from torch.frombuffer is expected quiet
         header, got = decode_part([frames[0], payload], copy=False)
     # Both items view one buffer: their addresses differ by exactly their offsets.
-    assert got[1].embedding.data_ptr() - got[0].embedding.data_ptr() == header.items[1].offset
+    assert (
+        got[1].item.embedding.data_ptr() - got[0].item.embedding.data_ptr()
+        == header.items[1].tensors[0].offset
+    )
     del frames, payload
     gc.collect()
-    assert all(_bits_equal(have.embedding, want) for have, want in zip(got, embs, strict=True))
+    assert all(_bits_equal(have.item.embedding, want) for have, want in zip(got, embs, strict=True))
 
 
 def test_empty_item_view_decode() -> None:
     emb = torch.randn(0, 16).bfloat16()
     _, (got,) = decode_part(encode_part("r", 0, 1, "local", [_item(0, emb)]), copy=False)
-    assert got.embedding.shape == (0, 16) and got.embedding.dtype == torch.bfloat16
+    assert got.item.embedding.shape == (0, 16) and got.item.embedding.dtype == torch.bfloat16
 
 
 def test_decoded_tensor_outlives_frame_buffer() -> None:
@@ -140,11 +169,11 @@ def test_decoded_tensor_outlives_frame_buffer() -> None:
     buf = bytearray(payload)
     _, (got,) = decode_part([header_frame, buf])
     buf[:] = b"\0" * len(buf)
-    assert torch.equal(got.embedding, emb)
+    assert torch.equal(got.item.embedding, emb)
 
 
 def test_error_part() -> None:
-    err = PartError(413, "too_large", "image exceeds 50 MB")
+    err = Failure(413, "too_large", "image exceeds 50 MB")
     header, items = decode_part(encode_error("req-3", 2, 4, "http://enc:1", err))
     assert header.error == err and items == [] and header.part_index == 2
 
@@ -156,9 +185,12 @@ def test_error_part() -> None:
         (lambda f: f + [b"extra"], "frames"),
         (lambda f: f[:1], "frames"),
         (lambda f: [f[0], bytes(f[1])[:-1]], "outside payload"),
-        (lambda f: _tamper_item(f, offset=10_000), "outside payload"),
-        (lambda f: _tamper_item(f, nbytes=44), "nbytes"),
-        (lambda f: _tamper_item(f, dtype="float64"), "dtype"),
+        (lambda f: _tamper_tensor(f, offset=10_000), "outside payload"),
+        (lambda f: _tamper_tensor(f, nbytes=44), "nbytes"),
+        (lambda f: _tamper_tensor(f, dtype="float64"), "dtype"),
+        (lambda f: _tamper_tensor(f, name="not-main"), "tensors"),
+        (lambda f: _tamper_tensor(f, shape=[]), "shape"),
+        (lambda f: _tamper_item(f, metadata="text"), "header"),
         (lambda f: _tamper_item(f, modality="smell"), "modality"),
         (lambda f: [b"\xc1not msgpack", f[1]], "header"),
         (lambda f: [msgspec.msgpack.encode([1, 2, 3]), f[1]], "header"),
@@ -174,6 +206,9 @@ def test_error_part() -> None:
         "offset-past-end",
         "nbytes-mismatch",
         "unknown-dtype",
+        "no-main-tensor",
+        "scalar-shape",
+        "metadata-not-bytes",
         "unknown-modality",
         "non-msgpack-header",
         "wrong-header-type",
@@ -190,7 +225,7 @@ def test_malformed_raises_wire_error(make, match: str) -> None:
 def test_overlapping_items_rejected() -> None:
     frames = encode_part("r", 0, 1, "local", [_item(0, torch.randn(2, 2)), _item(1, torch.randn(2, 2))])
     header = msgspec.msgpack.decode(frames[0])
-    header["items"][1]["offset"] = 8
+    header["items"][1]["tensors"][0]["offset"] = 8
     with pytest.raises(WireError, match="overlaps"):
         decode_part([msgspec.msgpack.encode(header), bytes(frames[1]) + b"\0" * 8])
 
@@ -219,7 +254,7 @@ def test_part_arrives_intact_and_socket_is_reused(
         got = receiver.recv_part(RECV_TIMEOUT_S)
         assert got is not None
         header, (item,) = got
-        assert header.part_index == part and _bits_equal(item.embedding, embs[part])
+        assert header.part_index == part and _bits_equal(item.item.embedding, embs[part])
     assert receiver.recv_part(0.05) is None
 
 
@@ -247,7 +282,7 @@ def test_received_views_survive_later_messages(receiver: EmbeddingReceiver, send
     gc.collect()
     receiver.close()  # also terminates its context; the views hold their frames, not the socket
     for got, want in zip(received, kept, strict=True):
-        assert all(_bits_equal(have.embedding, w) for have, w in zip(got, want, strict=True))
+        assert all(_bits_equal(have.item.embedding, w) for have, w in zip(got, want, strict=True))
 
 
 def test_recv_part_copy_gives_writable_owned_tensors(
@@ -258,13 +293,13 @@ def test_recv_part_copy_gives_writable_owned_tensors(
     got = receiver.recv_part(RECV_TIMEOUT_S, copy=True)
     assert got is not None
     (item,) = got[1]
-    item.embedding.add_(1)
-    assert torch.equal(item.embedding, emb + 1)
+    item.item.embedding.add_(1)
+    assert torch.equal(item.item.embedding, emb + 1)
 
 
 def test_malformed_message_then_good_one(receiver: EmbeddingReceiver, sender: EmbeddingSender) -> None:
     sender.send(receiver.endpoint, [b"junk", b"more", b"frames"])
-    sender.send(receiver.endpoint, encode_error("req", 0, 1, "local", PartError(503, "busy", "overloaded")))
+    sender.send(receiver.endpoint, encode_error("req", 0, 1, "local", Failure(503, "busy", "overloaded")))
     with pytest.raises(WireError):
         receiver.recv_part(RECV_TIMEOUT_S)
     got = receiver.recv_part(RECV_TIMEOUT_S)

@@ -20,9 +20,9 @@ from PIL import Image
 
 from mmserve.engine.kv_pool import KVPool
 from mmserve.engine.sampling_params import SamplingParams
-from mmserve.models.loader import load_model, load_model_config, load_processor, load_tokenizer, parse_dtype
+from mmserve.models.loader import load_model_config, parse_dtype
 from mmserve.multimodal.items import Modality
-from mmserve.testing.reference import hf_generate, prepare_prompt
+from mmserve.testing.reference import HFReference
 
 PROMPT = "Describe the image in detail, then list every object you can see."
 
@@ -53,25 +53,21 @@ def chat_messages(image: Image.Image) -> list[dict]:
                                          {"type": "text", "text": PROMPT}]}]  # fmt: skip
 
 
-def run_hf(model, tok, proc, images: list[Image.Image], output_tokens: int) -> RunResult:
+def run_hf(ref: HFReference, images: list[Image.Image], output_tokens: int) -> RunResult:
     """One request at a time; TTFT is a separate 1-token generate per request (not counted in throughput)."""
     template = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": PROMPT}]}]
     result = RunResult("hf", 0.0, output_tokens * len(images))
     decode_s: list[float] = []
     for image in images:
         t0 = time.perf_counter()
-        prompt, processed = prepare_prompt(tok, proc, template, [(Modality.IMAGE, image)])
-        t_prep = time.perf_counter()
-        hf_generate(model, prompt, processed, max_new_tokens=1)
+        ref.generate(template, [(Modality.IMAGE, image)], max_new_tokens=1)
         t1 = time.perf_counter()
-        prompt, processed = prepare_prompt(tok, proc, template, [(Modality.IMAGE, image)])
-        t_prep2 = time.perf_counter()
-        hf_generate(model, prompt, processed, max_new_tokens=output_tokens)
+        ref.generate(template, [(Modality.IMAGE, image)], max_new_tokens=output_tokens)
         t2 = time.perf_counter()
         result.ttft_s.append(t1 - t0)
         result.seconds += t2 - t1
-        # decode-only time per token: the full generation minus the 1-token one, preprocessing excluded
-        decode_s.append(max(1e-9, (t2 - t_prep2) - (t1 - t_prep)) / (output_tokens - 1))
+        # decode-only time per token: the full generation minus the 1-token one (preprocessing cancels out)
+        decode_s.append(max(1e-9, (t2 - t1) - (t1 - t0)) / (output_tokens - 1))
     result.decode_tokens_per_s = 1.0 / statistics.median(decode_s)
     return result
 
@@ -98,7 +94,8 @@ def decode_rate(llm, images: list[Image.Image], output_tokens: int) -> float:
         text = llm.tokenizer.apply_chat_template(template, add_generation_prompt=True, tokenize=False)
         ids = llm.tokenizer(text, add_special_tokens=False)["input_ids"]
         engine.add_request(f"decode-rate-{time.monotonic_ns()}-{i}", ids,
-                           SamplingParams(temperature=0, max_tokens=output_tokens, ignore_eos=True), media)  # fmt: skip
+                           SamplingParams(temperature=0, max_tokens=output_tokens, ignore_eos=True),
+                           llm.encode(media)[0])  # fmt: skip
     while any(r.is_prefill for r in engine.scheduler.running) or engine.scheduler.waiting:
         engine.step()
     start, tokens = time.perf_counter(), 0
@@ -111,11 +108,7 @@ def run(model_dir: str, concurrencies: list[int], num_requests: int, hf_requests
         rounds: int, image_size: tuple[int, int], dtype: str, kv_cache_mb: float) -> dict[str, list[RunResult]]:  # fmt: skip
     from mmserve.llm import LLM
 
-    model, tok, proc = (
-        load_model(model_dir, dtype=dtype),
-        load_tokenizer(model_dir),
-        load_processor(model_dir),
-    )
+    ref = HFReference(model_dir, dtype=dtype)
     engines = {c: LLM(model_dir, dtype=dtype, kv_cache_mb=kv_cache_mb, max_num_seqs=c) for c in concurrencies}
     cfg = load_model_config(model_dir)
     per_token = KVPool.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, parse_dtype(dtype))
@@ -129,7 +122,7 @@ def run(model_dir: str, concurrencies: list[int], num_requests: int, hf_requests
             images = [make_image(seed + i, image_size) for i in range(count)]
             seed += count
             if name == "hf":
-                res = run_hf(model, tok, proc, images, output_tokens)
+                res = run_hf(ref, images, output_tokens)
             else:
                 c = int(name.split("=")[1])
                 res = run_engine(engines[c], images, output_tokens, c)

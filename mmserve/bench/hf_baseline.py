@@ -15,11 +15,10 @@ from transformers.generation.streamers import BaseStreamer
 from mmserve.bench.client import RequestTrace
 from mmserve.bench.workload import BenchRequest
 from mmserve.config import MediaConfig
-from mmserve.models.loader import load_model, load_processor, load_tokenizer
 from mmserve.multimodal.items import Modality
 from mmserve.multimodal.media import decode_image, decode_video, load_bytes
 from mmserve.multimodal.messages import parse_messages
-from mmserve.testing.reference import hf_generate, prepare_prompt
+from mmserve.testing.reference import HFReference
 
 
 class _TokenClock(BaseStreamer):
@@ -40,9 +39,7 @@ class _TokenClock(BaseStreamer):
 
 class HFBaseline:
     def __init__(self, model_dir: str, dtype: str = "float32") -> None:
-        self.model = load_model(model_dir, dtype=dtype)
-        self.tokenizer = load_tokenizer(model_dir)
-        self.processor = load_processor(model_dir)
+        self.reference = HFReference(model_dir, dtype=dtype)
         self.media_cfg = MediaConfig()
 
     def run(self, requests: list[BenchRequest]) -> tuple[list[RequestTrace], float]:
@@ -62,10 +59,9 @@ class HFBaseline:
                 else decode_video(data, self.media_cfg)
             )
             media.append((modality, decoded))
-        prompt, processed = prepare_prompt(self.tokenizer, self.processor, template, media)
         clock = _TokenClock()
-        out = hf_generate(self.model, prompt, processed, max_new_tokens=req.max_tokens, streamer=clock)
+        out = self.reference.generate(template, media, max_new_tokens=req.max_tokens, streamer=clock)
         end = time.perf_counter()
         return RequestTrace(index=req.index, start=t0, first_token=clock.times[0] if clock.times else None,
                             token_times=clock.times, end=end, status=200, output_tokens=len(out.token_ids),
-                            prompt_tokens=len(prompt.token_ids), cached_tokens=0, error=None)  # fmt: skip
+                            prompt_tokens=len(out.input_ids), cached_tokens=0, error=None)  # fmt: skip

@@ -25,6 +25,7 @@ from mmserve.dispatch.policy import RoutingPolicy, plan
 from mmserve.dispatch.registry import EncoderRegistry
 from mmserve.multimodal.media import MediaRef
 from mmserve.transport import messages as m
+from mmserve.transport.messages import Failure
 
 logger = logging.getLogger("mmserve.dispatch")
 
@@ -36,21 +37,14 @@ class Part:
     item_indices: list[int]
 
 
-@dataclass
-class PartFailure:
-    status: int  # what the client gets if nothing else can encode the part
-    code: str
-    message: str
-
-
 class Dispatcher:
     def __init__(self, registry: EncoderRegistry, policy: RoutingPolicy, engine, embedding_endpoint: str,
-                 engine_has_vision: bool, attempt_timeout_s: float, headers: dict[str, str] | None = None) -> None:  # fmt: skip
+                 engine_has_tower: bool, attempt_timeout_s: float, headers: dict[str, str] | None = None) -> None:  # fmt: skip
         self.registry = registry
         self.policy = policy
         self.engine = engine  # EngineClient: send LocalEncodeReq / FailReq
         self.embedding_endpoint = embedding_endpoint
-        self.engine_has_vision = engine_has_vision
+        self.engine_has_tower = engine_has_tower
         self.attempt_timeout_s = attempt_timeout_s
         self.http = httpx.AsyncClient(timeout=attempt_timeout_s, headers=headers)  # headers: cluster token
         self.failovers = 0
@@ -90,23 +84,23 @@ class Dispatcher:
             outcome = await self._attempt(request_id, media, part, num_parts, url)
             if isinstance(outcome, int):
                 return outcome
-        if self.engine_has_vision:
+        if self.engine_has_tower:
             self.local_fallbacks += 1
             logger.warning(
                 "request %s part %d: %s; encoding locally", request_id, part.index, outcome.message
             )
             await self.engine.send(m.LocalEncodeReq(request_id, part.index, num_parts, part.item_indices))
         else:
-            await self.engine.send(m.FailReq(request_id, outcome.status, outcome.code, outcome.message))
+            await self.engine.send(m.FailReq(request_id, outcome))
         return 0
 
     async def _attempt(self, request_id: str, media: list[m.MediaItemMsg], part: Part, num_parts: int,
-                       url: str) -> PartFailure | int:  # fmt: skip
+                       url: str) -> Failure | int:  # fmt: skip
         """One POST /encode. An int (cache hits) when the part is settled (delivered, or a client error the
-        engine reports), else why it failed."""
-        items = [
-            {"item_index": i, "modality": media[i].modality, "url": media[i].url} for i in part.item_indices
-        ]
+        engine reports), else why it failed (the status is what the client gets if nothing else can encode
+        the part)."""
+        items = [{"item_index": i, "modality": media[i].modality, "url": media[i].url, "settings": media[i].settings}
+                 for i in part.item_indices]  # fmt: skip
         job = {"request_id": request_id, "part_index": part.index, "num_parts": num_parts,
                "reply_endpoint": self.embedding_endpoint, "items": items}  # fmt: skip
         self.registry.acquire(url)
@@ -114,14 +108,12 @@ class Dispatcher:
             r = await self.http.post(url + "/encode", json=job)
         except httpx.TimeoutException:
             self.registry.record_failure(url)
-            return PartFailure(
+            return Failure(
                 504, "encoder_timeout", f"encoder {url} did not answer in {self.attempt_timeout_s}s"
             )
         except httpx.HTTPError as e:
             self.registry.record_failure(url)
-            return PartFailure(
-                502, "encoder_unreachable", f"encoder {url} is unreachable: {type(e).__name__}"
-            )
+            return Failure(502, "encoder_unreachable", f"encoder {url} is unreachable: {type(e).__name__}")
         finally:
             self.registry.release(url)
         if r.status_code == 200:
@@ -130,17 +122,17 @@ class Dispatcher:
         if r.status_code == 401:  # a misconfigured encoder (other secret): treat it as failed, loudly
             self.registry.record_failure(url)
             logger.error("encoder %s refused our cluster token: the cluster secrets differ", url)
-            return PartFailure(502, "encoder_auth_failed", f"encoder {url} refused the cluster token")
+            return Failure(502, "encoder_auth_failed", f"encoder {url} refused the cluster token")
         if 400 <= r.status_code < 500 and _error_part_pushed(r):
             return 0  # bad media: the encoder pushed an error part, the engine ends the request with it
         if 400 <= r.status_code < 500:  # e.g. 422 from an encoder of another version: nothing was pushed
             self.registry.record_failure(url)
-            return PartFailure(502, "encoder_error", f"encoder {url} refused the job: HTTP {r.status_code} "
+            return Failure(502, "encoder_error", f"encoder {url} refused the job: HTTP {r.status_code} "
                                                      f"{r.text[:200]}")  # fmt: skip
         if r.status_code == 503:
-            return PartFailure(503, "encoders_overloaded", f"encoder {url} is overloaded")
+            return Failure(503, "encoders_overloaded", f"encoder {url} is overloaded")
         self.registry.record_failure(url)
-        return PartFailure(502, "encoder_error", f"encoder {url} failed with HTTP {r.status_code}")
+        return Failure(502, "encoder_error", f"encoder {url} failed with HTTP {r.status_code}")
 
     async def probe_forever(self) -> None:
         """Health-probe every known encoder each interval; evict / revive / drop through the registry."""

@@ -1,9 +1,9 @@
-"""Fuse vision-tower work across concurrent jobs: one forward for up to `max_batch_items` items.
+"""Fuse tower work across concurrent jobs: one forward for up to `max_batch_items` items.
 
 Callers (encoder job threads) `submit` a preprocessed item and block on the returned Future. A single worker
 thread owns the tower: it takes the first waiting item, waits up to `max_batch_wait_ms` for more (never past
-`max_batch_items` items or `max_batch_patches` patches), runs one forward over the concatenated patches
-(the tower attends within each item through its grid), and splits the output rows back per item.
+`max_batch_items` items or `max_batch_cost` cost units, the family's measure of an item's work, e.g.
+patches), and runs the family's `encode` over them, which splits the outputs back per item.
 """
 
 from __future__ import annotations
@@ -11,12 +11,15 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
 
-from mmserve.multimodal.processors.base import ProcessedItem
+from mmserve.multimodal.items import TowerInput
+
+EncodeFn = Callable[[list[TowerInput]], list[dict[str, torch.Tensor]]]
 
 
 @dataclass
@@ -28,21 +31,21 @@ class BatchStats:
 
 
 class TowerBatcher:
-    def __init__(self, visual: torch.nn.Module, max_batch_items: int = 8, max_batch_wait_ms: float = 5.0,
-                 max_batch_patches: int = 65536) -> None:  # fmt: skip
-        self.visual = visual
-        self.dtype = visual.dtype
-        self.device = next(visual.parameters()).device
+    """Owns the worker thread; `encode(batch)` runs on it only (the tower is never called concurrently)."""
+
+    def __init__(self, encode: EncodeFn, max_batch_items: int = 8, max_batch_wait_ms: float = 5.0,
+                 max_batch_cost: int = 65536) -> None:  # fmt: skip
+        self.encode = encode
         self.max_batch_items = max_batch_items
         self.max_batch_wait_s = max_batch_wait_ms / 1000.0
-        self.max_batch_patches = max_batch_patches
+        self.max_batch_cost = max_batch_cost
         self.stats = BatchStats()
-        self._queue: queue.Queue[tuple[ProcessedItem, Future] | None] = queue.Queue()
+        self._queue: queue.Queue[tuple[TowerInput, Future] | None] = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="tower-batcher", daemon=True)
         self._thread.start()
 
-    def submit(self, item: ProcessedItem) -> Future:
-        """Queue one item; the Future resolves to its embedding (num_tokens, hidden) or the forward's error."""
+    def submit(self, item: TowerInput) -> Future:
+        """Queue one item; the Future resolves to its tensors (MAIN and extras) or the forward's error."""
         future: Future = Future()
         self._queue.put((item, future))
         return future
@@ -51,8 +54,8 @@ class TowerBatcher:
         self._queue.put(None)
         self._thread.join(timeout=10)
 
-    def _collect(self, first: tuple[ProcessedItem, Future]) -> list[tuple[ProcessedItem, Future]]:
-        batch, patches = [first], first[0].pixel_values.shape[0]
+    def _collect(self, first: tuple[TowerInput, Future]) -> list[tuple[TowerInput, Future]]:
+        batch, cost = [first], first[0].cost
         deadline = time.monotonic() + self.max_batch_wait_s
         while len(batch) < self.max_batch_items:
             remaining = deadline - time.monotonic()
@@ -65,11 +68,11 @@ class TowerBatcher:
             if entry is None:  # closing: finish this batch, then stop
                 self._queue.put(None)
                 break
-            if patches + entry[0].pixel_values.shape[0] > self.max_batch_patches:
+            if cost + entry[0].cost > self.max_batch_cost:
                 self._queue.put(entry)  # NOTE: goes to the back; it is served by the next batch
                 break
             batch.append(entry)
-            patches += entry[0].pixel_values.shape[0]
+            cost += entry[0].cost
         return batch
 
     def _run(self) -> None:
@@ -88,14 +91,11 @@ class TowerBatcher:
                 future.set_result(out)
 
     @torch.no_grad()
-    def forward(self, items: list[ProcessedItem]) -> list[torch.Tensor]:
+    def forward(self, items: list[TowerInput]) -> list[dict[str, torch.Tensor]]:
         start = time.perf_counter()
-        pixels = torch.cat([it.pixel_values for it in items]).to(self.device, self.dtype)
-        grid = torch.tensor([it.grid_thw for it in items], device=self.device)
-        merged = self.visual(pixels, grid_thw=grid).pooler_output  # (sum of tokens, hidden)
-        outputs = list(torch.split(merged, [it.num_tokens for it in items]))
+        outputs = self.encode(items)
         self.stats.batches += 1
         self.stats.items += len(items)
         self.stats.forward_s += time.perf_counter() - start
         self.stats.items_per_batch = (self.stats.items_per_batch + [len(items)])[-1000:]
-        return [o.clone() for o in outputs]  # independent storage: each lives on in the cache on its own
+        return outputs

@@ -1,59 +1,39 @@
 """The multimodal encoder: media reference -> item embedding, once per content hash.
 
-Used in-process by the engine in monolithic mode and, later, by the standalone encoder service: the same
-class, the same cache. Flow per item: fetch the raw bytes, hash them with the processor's output-relevant
-settings, and look the hash up in the embedding cache; only on a miss decode, preprocess and run the
-tower. Concurrent requests for the same item compute it once (single-flight in the cache).
+One class serves every place that encodes: the encoder service, the engine process's local encoder
+(monolithic mode and failover; owned by the intake, a peer of the engine) and the offline `LLM`. Flow per
+item: fetch the raw bytes, hash them with every output-relevant setting, and look the hash up in the
+embedding cache; only on a miss decode, preprocess (the model family's processor) and run the tower
+(the family's `encode`, batched by a TowerBatcher). Concurrent requests for the same item compute it once
+(single-flight in the cache).
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
-
-import torch
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
 
 from mmserve.config import MediaConfig
 from mmserve.encoder.batcher import TowerBatcher
+from mmserve.models.family import ModelFamily, check_pixel_limit
+from mmserve.models.loader import parse_dtype
 from mmserve.multimodal.cache import EmbeddingCache
-from mmserve.multimodal.errors import UnsupportedMediaError
-from mmserve.multimodal.items import Modality, MultimodalItem, content_hash
+from mmserve.multimodal.errors import MediaError, UnsupportedMediaError
+from mmserve.multimodal.items import ItemEmbedding, Modality, content_hash
 from mmserve.multimodal.media import MediaRef, decode_audio, decode_image, decode_video, load_bytes
-from mmserve.multimodal.processors.base import ProcessedItem
+
+TOWER_TIMEOUT_S = 300.0
 
 
 @dataclass
-class EncodedItem:
-    """An item's embedding `(num_tokens, hidden)` with what the engine needs to place it."""
+class MediaInput:
+    """One media item of a request, as the encoder takes it."""
 
     modality: Modality
-    content_hash: bytes
-    embedding: torch.Tensor
-    grid_thw: tuple[int, int, int]
-    second_per_grid_t: float = 1.0
-
-    @property
-    def num_tokens(self) -> int:
-        return self.embedding.shape[0]
-
-    @property
-    def nbytes(self) -> int:
-        return self.embedding.nbytes
-
-    def to_item(self) -> MultimodalItem:
-        return MultimodalItem(self.modality, self.content_hash, self.num_tokens, self.grid_thw,
-                              second_per_grid_t=self.second_per_grid_t)  # fmt: skip
-
-
-class BatchedTower:
-    """The tower as a callable for one item, served by a TowerBatcher (fused with concurrent callers)."""
-
-    def __init__(self, batcher: TowerBatcher, timeout_s: float = 300.0) -> None:
-        self.batcher = batcher
-        self.timeout_s = timeout_s
-
-    def __call__(self, item: ProcessedItem) -> torch.Tensor:
-        return self.batcher.submit(item).result(timeout=self.timeout_s)
+    ref: MediaRef
+    settings: Mapping[str, Any] = field(default_factory=dict)  # the family's per-item settings
 
 
 @dataclass
@@ -70,40 +50,72 @@ class EncodeTimings:
 
 
 class MultimodalEncoder:
-    """Media reference -> EncodedItem through the embedding cache (see module docstring)."""
+    """Media reference -> ItemEmbedding through the embedding cache (see module docstring).
 
-    def __init__(self, tower: BatchedTower, processor, cache: EmbeddingCache, media_cfg: MediaConfig) -> None:
-        self.tower = tower
-        self.processor = processor
+    Owns its batcher (the tower's thread) and its cache; `close` stops the batcher.
+    """
+
+    def __init__(self, family: ModelFamily, batcher: TowerBatcher, cache: EmbeddingCache,
+                 media_cfg: MediaConfig) -> None:  # fmt: skip
+        self.family = family
+        self.batcher = batcher
         self.cache = cache
         self.media_cfg = media_cfg
 
-    def item_hash(self, modality: Modality, data: bytes) -> bytes:
-        return content_hash(modality, data, self.processor.hash_settings(modality))
+    def item_hash(self, modality: Modality, data: bytes, settings: Mapping[str, Any]) -> bytes:
+        """Raises MediaError (400) for settings the family does not know."""
+        hashed = {
+            **self.family.hash_settings(modality, settings),
+            **self.media_cfg.hash_settings(modality.value),
+        }
+        return content_hash(modality, data, {**hashed, "item": dict(settings)})
 
-    def encode(self, modality: Modality, ref: MediaRef, timings: EncodeTimings | None = None) -> EncodedItem:
+    def encode(self, item: MediaInput, timings: EncodeTimings | None = None) -> ItemEmbedding:
         """Raises MediaError subclasses for bad media (the caller maps them to HTTP 4xx)."""
         timings = timings if timings is not None else EncodeTimings()
+        modality = item.modality
+        if modality not in self.family.modalities:
+            raise UnsupportedMediaError(f"{modality.value} input is not supported by this model")
         start = time.perf_counter()
-        data = load_bytes(ref, self.media_cfg)
-        digest = self.item_hash(modality, data)
+        data = load_bytes(item.ref, self.media_cfg)
+        digest = self.item_hash(modality, data, item.settings)
         timings.fetch_s += time.perf_counter() - start
         computed = []
 
-        def compute() -> EncodedItem:
+        def compute() -> ItemEmbedding:
             computed.append(True)
             t0 = time.perf_counter()
-            processed = self.processor.process(modality, self._decode(modality, data))
+            tower_input = self.family.process(modality, self._decode(modality, data), item.settings)
             t1 = time.perf_counter()
-            embedding = self.tower(processed)
+            tensors = self.batcher.submit(tower_input).result(timeout=TOWER_TIMEOUT_S)
             timings.preprocess_s += t1 - t0
             timings.forward_s += time.perf_counter() - t1
-            return EncodedItem(modality, digest, embedding, processed.grid_thw, processed.second_per_grid_t)
+            return ItemEmbedding(modality, digest, tensors, tower_input.metadata)
 
         encoded = self.cache.get_or_compute(digest, compute)
         timings.misses += bool(computed)
         timings.hits += not computed
         return encoded
+
+    def encode_all(
+        self, media: list[MediaInput], timings: EncodeTimings, max_pixels: int | None = None
+    ) -> list[ItemEmbedding]:
+        """Every item of a request, in order. Raises MediaError naming the item ("image #2: ..."); with
+        `max_pixels`, stops at the item that crosses the limit (the rest is never encoded)."""
+        out, seen = [], {}
+        for item in media:
+            seen[item.modality] = seen.get(item.modality, 0) + 1
+            try:
+                out.append(self.encode(item, timings))
+            except MediaError as e:
+                raise type(e)(str(e), item=f"{item.modality.value} #{seen[item.modality]}") from e
+            check_pixel_limit(self.family, out, max_pixels)
+        return out
+
+    def health_probe(self, timeout_s: float = 30.0) -> None:
+        """A real tiny encode of the family's main modality through the batcher, bypassing the cache."""
+        modality, media = self.family.probe_item()
+        self.batcher.submit(self.family.process(modality, media, {})).result(timeout=timeout_s)
 
     def _decode(self, modality: Modality, data: bytes):
         if modality == Modality.IMAGE:
@@ -111,5 +123,24 @@ class MultimodalEncoder:
         if modality == Modality.VIDEO:
             return decode_video(data, self.media_cfg)
         if modality == Modality.AUDIO:
-            return decode_audio(data, self.media_cfg)
+            return decode_audio(data, self.media_cfg, self.family.audio_sample_rate_hz)
         raise UnsupportedMediaError(f"unknown modality {modality!r}")
+
+    def check_integrity(self) -> None:
+        self.cache.check_integrity()
+
+    def close(self) -> None:
+        self.batcher.close()
+
+
+def build_encoder(family: ModelFamily, dtype: str, device: str, cache_mb: float, media_cfg: MediaConfig,
+                  max_batch_items: int = 1, max_batch_wait_ms: float = 0.0) -> MultimodalEncoder:  # fmt: skip
+    """Load the family's tower (no language-model weights) and wrap it in a batcher, a cache and media
+    handling."""
+    tower = family.load_tower(parse_dtype(dtype)).to(device)
+
+    def encode(batch):
+        return family.encode(tower, batch)
+
+    batcher = TowerBatcher(encode, max_batch_items, max_batch_wait_ms)
+    return MultimodalEncoder(family, batcher, EmbeddingCache(cache_mb), media_cfg)

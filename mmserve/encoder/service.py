@@ -1,4 +1,5 @@
-"""`mmserve encoder`: the vision encoder as an HTTP service that pushes embeddings to engines over ZMQ.
+"""`mmserve encoder`: the model's encoder (vision or audio tower) as an HTTP service that pushes embeddings to
+engines over ZMQ.
 
 `POST /encode` takes a job (request id, part index and count, items with their media references, the
 engine's embedding endpoint). The handler fetches, hashes, looks items up in the embedding cache, runs the
@@ -8,7 +9,8 @@ the socket:
 - 400/413: bad media. An error part is pushed too, so the engine fails the request at once.
 - 503: too many pending jobs (`--max-pending`); nothing is pushed (the dispatcher retries elsewhere).
 - 500/502: internal failure or engine unreachable; nothing is pushed (the dispatcher retries elsewhere).
-`GET /health` runs a real tiny encode; `GET /metrics` is Prometheus.
+`GET /health` runs a real tiny encode of the family's main modality (an image, or a short silent clip for
+audio models); `GET /metrics` is Prometheus.
 """
 
 from __future__ import annotations
@@ -22,21 +24,19 @@ from typing import Any
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from PIL import Image
 from pydantic import BaseModel, Field
 
 from mmserve.config import EncoderConfig
-from mmserve.encoder.batcher import TowerBatcher
 from mmserve.encoder.metrics import EncoderMetrics
-from mmserve.encoder.runner import BatchedTower, EncodeTimings, MultimodalEncoder
-from mmserve.models.loader import load_hf_config, load_processor, load_vision_tower
-from mmserve.multimodal.cache import EmbeddingCache
+from mmserve.encoder.runner import EncodeTimings, MediaInput, build_encoder
+from mmserve.models.family import load_family
 from mmserve.multimodal.errors import MediaError
 from mmserve.multimodal.items import Modality
 from mmserve.multimodal.media import MediaRef
 from mmserve.transport import cluster_auth
 from mmserve.transport.cluster_auth import HTTP_HEADER
-from mmserve.transport.embedding_wire import EmbeddingItem, PartError, encode_error, encode_part
+from mmserve.transport.embedding_wire import EmbeddingItem, encode_error, encode_part
+from mmserve.transport.messages import Failure
 from mmserve.transport.zmq_channel import EmbeddingSender, SendTimeout
 
 logger = logging.getLogger("mmserve.encoder")
@@ -47,6 +47,7 @@ class JobItem(BaseModel):
     modality: Modality
     url: str | None = None  # http(s) / data: / file://
     data_b64: str | None = None  # raw bytes, base64
+    settings: dict[str, Any] = Field(default_factory=dict)  # the model family's per-item settings
 
 
 class EncodeJob(BaseModel):
@@ -58,23 +59,21 @@ class EncodeJob(BaseModel):
 
 
 class EncoderService:
-    """Owns the tower batcher, the embedding cache, the sender sockets and the job accounting."""
+    """Owns the encoder (tower batcher, embedding cache), the sender sockets and the job accounting."""
 
     def __init__(self, cfg: EncoderConfig) -> None:
         self.cfg = cfg
-        hf_config = load_hf_config(cfg.model)
-        self.processor = load_processor(cfg.model, hf_config, dict(cfg.mm_processor_kwargs))
-        self.batcher = TowerBatcher(load_vision_tower(cfg.model, hf_config, cfg.dtype, cfg.device),
-                                    cfg.max_batch_items, cfg.max_batch_wait_ms)  # fmt: skip
-        self.cache = EmbeddingCache(cfg.embedding_cache_mb)
-        self.encoder = MultimodalEncoder(BatchedTower(self.batcher), self.processor, self.cache, cfg.media)
+        self.family = load_family(cfg.model, mm_processor_kwargs=dict(cfg.mm_processor_kwargs))
+        self.encoder = build_encoder(self.family, cfg.dtype, cfg.device, cfg.embedding_cache_mb, cfg.media,
+                                     cfg.max_batch_items, cfg.max_batch_wait_ms)  # fmt: skip
+        self.batcher, self.cache = self.encoder.batcher, self.encoder.cache
         self.secret = cluster_auth.from_config(cfg.cluster_secret)
         self.sender = EmbeddingSender(cfg.send_timeout_s, signer=self.secret)
         self.metrics = EncoderMetrics()
         self.pending = 0
 
     def close(self) -> None:
-        self.batcher.close()
+        self.encoder.close()
         self.sender.close()
 
     def run_job(self, job: EncodeJob, queued_at: float) -> tuple[int, dict[str, Any]]:
@@ -85,18 +84,19 @@ class EncoderService:
             ref = MediaRef.from_bytes(base64.b64decode(it.data_b64)) if it.data_b64 is not None else None
             try:
                 ref = ref or MediaRef.parse(it.url or "")
-                enc = self.encoder.encode(it.modality, ref, timings)
+                enc = self.encoder.encode(MediaInput(it.modality, ref, it.settings), timings)
             except MediaError as e:
                 self.metrics.requests.labels(it.modality.value, str(e.status)).inc()
-                message = f"{it.modality.value} item {it.item_index}: {e}"
-                pushed = self._push_error(job, PartError(e.status, e.code, message))
-                return e.status, {"error": {"message": message, "code": e.code, "part_pushed": pushed}}
+                failure = Failure(e.status, e.code, f"{it.modality.value} item {it.item_index}: {e}")
+                pushed = self._push_error(job, failure)
+                return e.status, {
+                    "error": {"message": failure.message, "code": e.code, "part_pushed": pushed}
+                }
             except Exception as e:  # the dispatcher retries elsewhere: push nothing
                 logger.exception("job %s part %d failed", job.request_id, job.part_index)
                 self.metrics.requests.labels(it.modality.value, "500").inc()
                 return 500, {"error": {"message": f"encoder failure: {e}", "code": "encoder_failed"}}
-            items.append(EmbeddingItem(it.item_index, enc.content_hash, enc.modality.value, enc.grid_thw,
-                                       enc.second_per_grid_t, enc.embedding))  # fmt: skip
+            items.append(EmbeddingItem(it.item_index, enc))
         start = time.perf_counter()
         try:
             self.sender.send(job.reply_endpoint, encode_part(job.request_id, job.part_index, job.num_parts,
@@ -112,7 +112,7 @@ class EncoderService:
             self.metrics.requests.labels(it.modality.value, "200").inc()
         return 200, {"items": len(items), "cache_hits": timings.hits, "encoder": self.cfg.url}
 
-    def _push_error(self, job: EncodeJob, error: PartError) -> bool:
+    def _push_error(self, job: EncodeJob, error: Failure) -> bool:
         """Tells the engine the part failed for a client reason; returns whether the part was handed over."""
         try:
             self.sender.send(job.reply_endpoint, encode_error(job.request_id, job.part_index, job.num_parts,
@@ -123,9 +123,8 @@ class EncoderService:
         return True
 
     def health_probe(self) -> None:
-        """A real tiny encode through the batcher (bypassing the cache). Raises on failure."""
-        item = self.processor.process(Modality.IMAGE, Image.new("RGB", (56, 56), (128, 128, 128)))
-        self.batcher.submit(item).result(timeout=30)
+        """A real tiny encode of the family's main modality (bypassing the cache). Raises on failure."""
+        self.encoder.health_probe(timeout_s=30)
 
     def cache_stats(self) -> dict[str, Any]:
         s = self.cache.stats

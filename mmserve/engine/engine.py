@@ -1,9 +1,10 @@
-"""The language engine: scheduler + model runner + sampler + (monolithic) in-process encoder.
+"""The language engine: scheduler + model runner + sampler. It holds no tower: encoders are its peers.
 
-`add_request` encodes a request's media through the encoder (cache by content hash), expands placeholders
-into pad values, computes M-RoPE positions once, and queues it. `step` runs one scheduled forward, samples,
-applies finish rules and returns what each request produced. Single-threaded: the owner calls `add_request`,
-`abort` and `step` from one thread.
+`add_request` takes a request's prompt (one placeholder token per item) and its items already encoded
+(`ItemEmbedding`s, from a local encoder or from encoder services: the one entrance for every mode),
+validates them against the model family, expands placeholders into pad values, computes positions once,
+and queues it. `step` runs one scheduled forward, samples, applies finish rules and returns what each
+request produced. Single-threaded: the owner calls `add_request`, `abort` and `step` from one thread.
 """
 
 from __future__ import annotations
@@ -15,8 +16,6 @@ from dataclasses import dataclass
 import torch
 
 from mmserve.config import EngineConfig, ModelConfig
-from mmserve.encoder.batcher import TowerBatcher
-from mmserve.encoder.runner import BatchedTower, EncodedItem, EncodeTimings, MultimodalEncoder
 from mmserve.engine.kv_pool import KVPool
 from mmserve.engine.model_runner import ModelRunner
 from mmserve.engine.radix_cache import NoPrefixCache, RadixCache
@@ -24,12 +23,10 @@ from mmserve.engine.request import Request
 from mmserve.engine.sampler import Sampler, make_generator
 from mmserve.engine.sampling_params import SamplingParams
 from mmserve.engine.scheduler import Scheduler, SchedulerConfig
-from mmserve.models.loader import load_hf_config, load_processor, load_vision_tower, parse_dtype
-from mmserve.multimodal.cache import EmbeddingCache
+from mmserve.models.family import ModelFamily, check_pixel_limit, load_family
+from mmserve.models.loader import load_hf_config, parse_dtype
 from mmserve.multimodal.embedding import PlacedEmbedding
-from mmserve.multimodal.errors import EncoderUnavailableError, MediaError, MediaTooLargeError
-from mmserve.multimodal.items import Modality
-from mmserve.multimodal.media import MediaRef
+from mmserve.multimodal.items import ItemEmbedding, MultimodalItem
 
 logger = logging.getLogger(__name__)
 
@@ -73,11 +70,12 @@ def build_kv_pool(cfg: EngineConfig, model: ModelConfig) -> KVPool:
 
 
 class Engine:
-    def __init__(self, cfg: EngineConfig) -> None:
+    def __init__(self, cfg: EngineConfig, family: ModelFamily | None = None) -> None:
         self.cfg = cfg
         hf_config = load_hf_config(cfg.model)
+        self.family = family or load_family(cfg.model, hf_config, dict(cfg.mm_processor_kwargs))
         self.model_config = ModelConfig.from_hf(cfg.model, hf_config, cfg.max_model_len)
-        self.runner = ModelRunner(cfg.model, hf_config, self.model_config, cfg.dtype, cfg.device)
+        self.runner = ModelRunner(self.family, self.model_config, cfg.dtype, cfg.device)
         self.pool = build_kv_pool(cfg, self.model_config)
         prefix_cache = NoPrefixCache() if cfg.disable_prefix_cache else RadixCache(self.pool)
         sched_cfg = SchedulerConfig(
@@ -85,13 +83,6 @@ class Engine:
         )
         self.scheduler = Scheduler(sched_cfg, self.pool, prefix_cache)
         self.sampler = Sampler()
-        self.processor = load_processor(cfg.model, hf_config, dict(cfg.mm_processor_kwargs))
-        self.encoder: MultimodalEncoder | None = None
-        if not cfg.language_only:
-            visual = load_vision_tower(cfg.model, hf_config, cfg.dtype, cfg.device)
-            self.batcher = TowerBatcher(visual, max_batch_items=1)
-            cache = EmbeddingCache(cfg.embedding_cache_mb)
-            self.encoder = MultimodalEncoder(BatchedTower(self.batcher), self.processor, cache, cfg.media)
         self.requests: dict[str, Request] = {}
         per_token = KVPool.bytes_per_token(self.model_config.num_layers, self.model_config.num_kv_heads,
                                            self.model_config.head_dim, parse_dtype(cfg.dtype))  # fmt: skip
@@ -101,70 +92,42 @@ class Engine:
         )  # fmt: skip
 
     # -- requests -------------------------------------------------------------------------------
-    def encode(self, media: list[tuple[Modality, MediaRef]], timings: EncodeTimings) -> list[EncodedItem]:
-        """Raises MediaError naming the item ("image #2: ...") for bad media, EncoderUnavailableError when this
-        engine has no vision tower (language-only)."""
-        if media and self.encoder is None:
-            raise EncoderUnavailableError(
-                "no encoder is available for this request and this engine has no vision tower"
-            )
-        out, seen = [], {}
-        for modality, ref in media:
-            seen[modality] = seen.get(modality, 0) + 1
-            try:
-                out.append(self.encoder.encode(modality, ref, timings))
-            except MediaError as e:
-                raise type(e)(str(e), item=f"{modality.value} #{seen[modality]}") from e
-            self._check_pixels(out)  # stop at the item that crosses the limit: the rest is never encoded
-        return out
-
     def add_request(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        media: list[tuple[Modality, MediaRef]] | None = None,
-        encoded: list[EncodedItem] | None = None,
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, items: list[ItemEmbedding]
     ) -> Request:
-        """Queue a request whose prompt has one placeholder token per media item.
+        """Queue a request whose prompt has one placeholder token per item; `items` in prompt order.
 
-        Raises MediaError (bad media) or ValueError (bad prompt / too long); nothing is queued then.
+        `params.max_tokens` None means the rest of the context, as far as the KV cache can hold it.
+        Raises EmbeddingMismatch (an item does not fit this model), MediaTooLargeError (pixel limit) or
+        ValueError (bad prompt / too long); nothing is queued then.
         """
         if request_id in self.requests:
             raise ValueError(f"duplicate request id {request_id!r}")
-        timings = EncodeTimings()
-        if encoded is None:
-            encoded = self.encode(media or [], timings)
-        self._check_pixels(encoded)
-        items = [e.to_item() for e in encoded]
-        expanded = self.processor.expand(prompt_token_ids, items)
+        for item in items:
+            self.family.check_item(item)
+        check_pixel_limit(self.family, items, self.cfg.max_mm_pixels_per_prompt)
+        expanded = self.family.expand(prompt_token_ids, [MultimodalItem.of(it) for it in items])
+        prompt_len = len(expanded.token_ids)
         limit = self.cfg.max_prompt_tokens
-        if limit is not None and len(expanded.token_ids) > limit:
-            raise ValueError(f"prompt has {len(expanded.token_ids)} tokens (media expanded); this server allows "
+        if limit is not None and prompt_len > limit:
+            raise ValueError(f"prompt has {prompt_len} tokens (media expanded); this server allows "
                              f"at most {limit} (--max-prompt-tokens)")  # fmt: skip
-        self.scheduler.check_fits(len(expanded.token_ids), params.max_tokens)
-        positions, rope_delta = self.processor.positions(expanded)
-        by_hash = {e.content_hash: e for e in encoded}
-        embeddings = [PlacedEmbedding(it.offset, by_hash[it.content_hash].embedding) for it in expanded.items]
+        if params.max_tokens is None:
+            room = min(self.model_config.max_model_len, self.pool.num_slots) - prompt_len
+            params = params.with_max_tokens(max(1, room))
+        self.scheduler.check_fits(prompt_len, params.max_tokens)
+        positions, rope_delta = self.family.positions(expanded)
+        ids = torch.tensor(expanded.token_ids, dtype=torch.int64)
+        by_hash = {it.content_hash: it for it in items}
+        embeddings = [PlacedEmbedding.at(ids, it.offset, it.span, it.pad_value, by_hash[it.content_hash].tensors)
+                      for it in expanded.items]  # fmt: skip
         req = Request(
             request_id, expanded.token_ids, params, items=expanded.items, embeddings=embeddings,
-            positions=positions if self.model_config.uses_mrope else None, rope_delta=rope_delta,
-            generator=make_generator(params), encode_timings=timings,
+            positions=positions, rope_delta=rope_delta, generator=make_generator(params),
         )  # fmt: skip
         self.scheduler.add(req)
         self.requests[request_id] = req
         return req
-
-    def _check_pixels(self, encoded: list[EncodedItem]) -> None:
-        """Raises MediaTooLargeError (413) if the request's media exceed --max-mm-pixels-per-prompt. Checked as
-        in-process encoding goes and again at admission (EPD parts arrive already encoded)."""
-        limit = self.cfg.max_mm_pixels_per_prompt
-        if limit is None or not encoded:
-            return
-        total = sum(self.processor.input_pixels(e.modality, e.grid_thw) for e in encoded)
-        if total > limit:
-            raise MediaTooLargeError(f"the request's media are {total} pixels after resizing; this server allows "
-                                     f"at most {limit} per request (--max-mm-pixels-per-prompt)")  # fmt: skip
 
     def abort(self, request_id: str, reason: str = "abort") -> None:
         """End a request now, freeing all it holds. Unknown or finished ids are ignored."""
@@ -220,5 +183,3 @@ class Engine:
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
-        if self.encoder is not None:
-            self.encoder.cache.check_integrity()

@@ -1,10 +1,13 @@
-"""How requests enter the engine: media encoded in-process, or embedding parts received from encoders.
+"""How requests enter the engine: media encoded by the local encoder, or embedding parts from encoders.
 
-Monolithic requests (`num_parts == 0`) are encoded on a worker thread through the engine's own encoder.
-EPD requests wait in the `PartAssembler` for their parts, pushed by encoders to the embedding socket (or
-produced here when the dispatcher asks for a local failover encode). Either way the loop thread admits the
-request with `Engine.add_request(encoded=...)`, the one path shared by all modes. Every outcome is a message
-for the API server (AcceptedMsg or ErrorMsg), returned by `drain`.
+The intake owns the engine process's local encoder (a peer of the engine: None with --language-only), the
+embedding receiver and the part assembler. Monolithic requests (`num_parts == 0`) are encoded on a worker
+thread by the local encoder. EPD requests wait in the `PartAssembler` for their parts, pushed by encoders to
+the embedding socket (or produced here when the dispatcher asks for a local failover encode). Either way the
+loop thread admits the request with `Engine.add_request(..., items)`, the one entrance shared by all modes,
+which validates every item against the model family first (an embedding from an encoder serving another
+model ends only its own request). Every outcome is a message for the API server (AcceptedMsg or ErrorMsg),
+returned by `drain`.
 """
 
 from __future__ import annotations
@@ -13,42 +16,60 @@ import logging
 import queue
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
-from mmserve.encoder.runner import EncodedItem, EncodeTimings
+from mmserve.encoder.runner import EncodeTimings, MediaInput, MultimodalEncoder
 from mmserve.engine.engine import Engine
 from mmserve.engine.receiver import Complete, Failed, PartAssembler
-from mmserve.engine.sampling_params import SamplingParams
+from mmserve.models.family import EmbeddingMismatch
 from mmserve.multimodal.errors import MediaError
-from mmserve.multimodal.items import Modality
+from mmserve.multimodal.items import ItemEmbedding, Modality
 from mmserve.multimodal.media import MediaRef
 from mmserve.transport import messages as m
 from mmserve.transport.cluster_auth import ClusterSecret, PartRejected, PartVerifier
-from mmserve.transport.embedding_wire import WIRE_VERSION, EmbeddingItem, PartError, PartHeader, WireError
+from mmserve.transport.embedding_wire import WIRE_VERSION, EmbeddingItem, PartHeader, WireError
+from mmserve.transport.messages import Failure
 from mmserve.transport.zmq_channel import EmbeddingReceiver
 
 logger = logging.getLogger("mmserve.engine")
 IN_PROCESS = "engine (in-process)"
+LOCAL_FAILOVER = "local (failover)"
 MEDIA_WORKERS = 4
 
 
-def media_refs(items: list[m.MediaItemMsg]) -> list[tuple[Modality, MediaRef]]:
-    return [(Modality(it.modality), MediaRef.from_bytes(it.data) if it.data is not None else MediaRef.parse(it.url or ""))
-            for it in items]  # fmt: skip
+def media_inputs(items: list[m.MediaItemMsg]) -> list[MediaInput]:
+    return [MediaInput(Modality(it.modality), MediaRef.from_bytes(it.data) if it.data is not None
+                       else MediaRef.parse(it.url or ""), it.settings) for it in items]  # fmt: skip
+
+
+@dataclass
+class _RequestEncoded:
+    """A worker thread encoded a monolithic request's media (or failed to)."""
+
+    request_id: str
+    result: list[ItemEmbedding] | Failure
+    timings: EncodeTimings
+
+
+@dataclass
+class _PartEncoded:
+    """A worker thread encoded one EPD part locally (dispatcher failover), as if an encoder had sent it."""
+
+    header: PartHeader
+    items: list[EmbeddingItem]
 
 
 class Intake:
-    def __init__(
-        self, engine: Engine, embedding_bind: str = "tcp://127.0.0.1:0", secret: ClusterSecret | None = None
-    ) -> None:
+    def __init__(self, engine: Engine, encoder: MultimodalEncoder | None,
+                 embedding_bind: str = "tcp://127.0.0.1:0", secret: ClusterSecret | None = None) -> None:  # fmt: skip
         self.engine = engine
+        self.encoder = encoder
         self.receiver = EmbeddingReceiver(embedding_bind, verifier=PartVerifier(secret) if secret else None)
         self.assembler = PartAssembler()
         # Several workers so that one slow download (up to --media-fetch-timeout-s) does not hold up every
-        # other request's media; the tower itself stays serialized behind the engine's TowerBatcher.
+        # other request's media; the tower itself stays serialized behind the encoder's TowerBatcher.
         self.pool = ThreadPoolExecutor(max_workers=MEDIA_WORKERS, thread_name_prefix="mm-encode")
-        self.done: queue.Queue = (
-            queue.Queue()
-        )  # results of worker-thread encodes, consumed by the loop thread
+        self.done: queue.Queue[_RequestEncoded | _PartEncoded] = queue.Queue()  # for the loop thread
         self.requests: dict[str, tuple[m.GenerateReq, float]] = {}  # waiting for media, with arrival time
         self.encode_seconds_total = 0.0
         self.parts_malformed = 0
@@ -67,6 +88,11 @@ class Intake:
     def generate(self, req: m.GenerateReq) -> list:
         self.requests[req.request_id] = (req, time.perf_counter())
         if req.num_parts == 0:
+            if req.media and self.encoder is None:
+                failure = Failure(503, "encoder_unavailable",
+                                  "no encoder is available for this request and this engine has no tower")  # fmt: skip
+                self.requests.pop(req.request_id)
+                return [m.ErrorMsg(req.request_id, failure)]
             self.pool.submit(self._encode_request, req)
             return []
         modalities = [it.modality for it in req.media]
@@ -75,52 +101,46 @@ class Intake:
 
     def local_encode(self, msg: m.LocalEncodeReq) -> None:
         entry = self.requests.get(msg.request_id)
-        if entry is not None:
+        if entry is not None and self.encoder is not None:
             self.pool.submit(self._encode_part, entry[0], msg)
 
     def fail(self, msg: m.FailReq) -> list:
         self.assembler.cancel(msg.request_id)
         if self.requests.pop(msg.request_id, None) is None:
             return []
-        return [m.ErrorMsg(msg.request_id, msg.status, msg.code, msg.message)]
+        return [m.ErrorMsg(msg.request_id, msg.failure)]
 
     def abort(self, request_id: str) -> None:
         self.assembler.cancel(request_id)
         self.requests.pop(request_id, None)  # a worker result for it is dropped in drain
 
-    # -- worker thread ------------------------------------------------------------------------------
+    # -- worker threads -----------------------------------------------------------------------------
+    def _encode(
+        self, media: list[MediaInput], timings: EncodeTimings, what: str
+    ) -> list[ItemEmbedding] | Failure:
+        if not media:  # text only: nothing to encode (and maybe no local encoder at all)
+            return []
+        try:
+            return self.encoder.encode_all(media, timings, self.engine.cfg.max_mm_pixels_per_prompt)
+        except MediaError as e:
+            return e.failure
+        except Exception as e:  # a bug or a tower failure: the request fails loudly, the engine lives on
+            logger.exception("encoding failed for %s", what)
+            return Failure(500, "encode_failed", f"encoding failed: {e}")
+
     def _encode_request(self, req: m.GenerateReq) -> None:
         timings = EncodeTimings()
-        try:
-            result = self.engine.encode(media_refs(req.media), timings)
-        except MediaError as e:
-            result = m.ErrorMsg(req.request_id, e.status, e.code, str(e))
-        except Exception as e:  # a bug or a tower failure: the request fails loudly, the engine lives on
-            logger.exception("encoding failed for %s", req.request_id)
-            result = m.ErrorMsg(req.request_id, 500, "encode_failed", f"encoding failed: {e}")
-        self.done.put(("request", req.request_id, result, timings))
+        result = self._encode(media_inputs(req.media), timings, req.request_id)
+        self.done.put(_RequestEncoded(req.request_id, result, timings))
 
     def _encode_part(self, req: m.GenerateReq, msg: m.LocalEncodeReq) -> None:
-        header = PartHeader(
-            WIRE_VERSION, msg.request_id, msg.part_index, msg.num_parts, "local (failover)", []
-        )
-        try:
-            refs = media_refs([req.media[i] for i in msg.item_indices])
-            encoded = self.engine.encode(refs, EncodeTimings())
-            items = [EmbeddingItem(i, e.content_hash, e.modality.value, e.grid_thw, e.second_per_grid_t, e.embedding)
-                     for i, e in zip(msg.item_indices, encoded, strict=True)]  # fmt: skip
-        except MediaError as e:
-            header, items = (
-                PartHeader(**{**_fields(header), "error": PartError(e.status, e.code, str(e))}),
-                [],
-            )
-        except Exception as e:
-            logger.exception("local encode failed for %s", msg.request_id)
-            header, items = (
-                PartHeader(**{**_fields(header), "error": PartError(500, "encode_failed", str(e))}),
-                [],
-            )
-        self.done.put(("part", msg.request_id, (header, items), None))
+        media = media_inputs([req.media[i] for i in msg.item_indices])
+        result = self._encode(media, EncodeTimings(), f"{msg.request_id} part {msg.part_index}")
+        failed = isinstance(result, Failure)
+        items = [] if failed else [EmbeddingItem(i, e) for i, e in zip(msg.item_indices, result, strict=True)]
+        header = PartHeader(WIRE_VERSION, msg.request_id, msg.part_index, msg.num_parts, LOCAL_FAILOVER, [],
+                            error=result if failed else None)  # fmt: skip
+        self.done.put(_PartEncoded(header, items))
 
     # -- loop thread --------------------------------------------------------------------------------
     def drain(self) -> list:
@@ -142,14 +162,14 @@ class Intake:
             out += self._outcomes(self.assembler.add(*part))
         while True:  # worker-thread results
             try:
-                kind, rid, result, timings = self.done.get_nowait()
+                done = self.done.get_nowait()
             except queue.Empty:
                 break
-            if kind == "part":
-                out += self._outcomes(self.assembler.add(*result))
-            elif rid in self.requests:
-                self.encode_seconds_total += timings.total_s
-                out += self._admit(rid, result, timings, [IN_PROCESS])
+            if isinstance(done, _PartEncoded):
+                out += self._outcomes(self.assembler.add(done.header, done.items))
+            elif done.request_id in self.requests:
+                self.encode_seconds_total += done.timings.total_s
+                out += self._admit(done.request_id, done.result, done.timings, [IN_PROCESS])
         return out + self._outcomes(self.assembler.expire())
 
     def _outcomes(self, outcomes: list[Complete | Failed]) -> list:
@@ -157,47 +177,40 @@ class Intake:
         for o in outcomes:
             if isinstance(o, Failed):
                 if self.requests.pop(o.request_id, None) is not None:
-                    out.append(m.ErrorMsg(o.request_id, o.status, o.code, o.message))
+                    out.append(m.ErrorMsg(o.request_id, o.failure))
                 continue
-            encoded = [EncodedItem(Modality(it.modality), it.content_hash, it.embedding, it.grid_thw, it.second_per_grid_t)
-                       for it in o.items]  # fmt: skip
-            bad = [e for e in encoded if self.engine.processor.num_tokens(e.grid_thw) != e.num_tokens]
-            result = m.ErrorMsg(o.request_id, 502, "bad_embedding", "an encoder sent an embedding whose row count "
-                                "does not match its grid") if bad else encoded  # fmt: skip
-            out += self._admit(o.request_id, result, None, sorted(set(o.encoders)))
+            out += self._admit(o.request_id, o.items, None, sorted(set(o.encoders)))
         return out
 
-    def _admit(self, rid: str, result, timings: EncodeTimings | None, encoded_by: list[str]) -> list:
+    def _admit(self, rid: str, result: list[ItemEmbedding] | Failure, timings: EncodeTimings | None,
+               encoded_by: list[str]) -> list:  # fmt: skip
         entry = self.requests.pop(rid, None)
         if entry is None:  # aborted meanwhile
             return []
         req, arrived = entry
-        if isinstance(result, m.ErrorMsg):
-            return [result]
-        s = req.sampling
-        max_tokens = s.max_tokens
-        if max_tokens is None:  # the rest of the context, as far as the KV cache can hold it
-            prompt_len = len(req.prompt_token_ids) - len(result) + sum(e.num_tokens for e in result)
-            limit = min(self.engine.model_config.max_model_len, self.engine.pool.num_slots)
-            max_tokens = max(1, limit - prompt_len)
+        if isinstance(result, Failure):
+            return [m.ErrorMsg(rid, result)]
         try:
-            params = SamplingParams(max_tokens=max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
-                                    min_p=s.min_p, seed=s.seed, stop_token_ids=list(s.stop_token_ids),
-                                    ignore_eos=s.ignore_eos)  # fmt: skip
-            engine_req = self.engine.add_request(rid, list(req.prompt_token_ids), params, encoded=result)
-        except ValueError as e:
-            return [m.ErrorMsg(rid, 400, "invalid_request", str(e))]
+            engine_req = self.engine.add_request(rid, list(req.prompt_token_ids), req.sampling, result)
+        except EmbeddingMismatch as e:  # an encoder serving another model: this request only
+            logger.warning("request %s: embedding from %s rejected: %s", rid, ", ".join(encoded_by), e)
+            return [m.ErrorMsg(rid, Failure(502, "bad_embedding", f"{', '.join(encoded_by)} sent an embedding "
+                                            f"that does not fit this model: {e}"))]  # fmt: skip
         except MediaError as e:  # per-request media limits
-            return [m.ErrorMsg(rid, e.status, e.code, str(e))]
+            return [m.ErrorMsg(rid, e.failure)]
+        except ValueError as e:
+            return [m.ErrorMsg(rid, Failure(400, "invalid_request", str(e)))]
         engine_req.encode_timings = timings
         waited = time.perf_counter() - arrived
         hits = timings.hits if timings is not None else 0
         return [m.AcceptedMsg(rid, engine_req.prompt_len, waited, len(result), hits, encoded_by)]
 
+    def check_integrity(self) -> None:
+        if self.encoder is not None:
+            self.encoder.check_integrity()
+
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
         self.receiver.close()
-
-
-def _fields(header: PartHeader) -> dict:
-    return {f: getattr(header, f) for f in header.__struct_fields__}
+        if self.encoder is not None:
+            self.encoder.close()

@@ -25,6 +25,7 @@ import msgspec
 import zmq
 
 from mmserve.config import EngineConfig, MediaConfig
+from mmserve.encoder.runner import build_encoder
 from mmserve.engine.engine import BatchFailed, Engine
 from mmserve.engine.intake import Intake
 from mmserve.engine.kv_pool import KVPool
@@ -65,7 +66,10 @@ class EngineLoop:
         self.output.connect(output_addr)
         self.decoder = msgspec.msgpack.Decoder(m.ToEngine)
         self.encoder = msgspec.msgpack.Encoder()
-        self.intake = Intake(engine, secret=secret)
+        cfg = engine.cfg
+        local = None if cfg.language_only else build_encoder(engine.family, cfg.dtype, cfg.device,
+                                                             cfg.embedding_cache_mb, cfg.media)  # fmt: skip
+        self.intake = Intake(engine, local, secret=secret)
         self.parent_pid = os.getppid()
         self.running = True
 
@@ -88,6 +92,7 @@ class EngineLoop:
             if msg.check_integrity:
                 try:
                     self.engine.check_integrity()
+                    self.intake.check_integrity()
                     stats.integrity_error = ""
                 except AssertionError as e:
                     stats.integrity_error = str(e) or "integrity check failed"
@@ -108,10 +113,9 @@ class EngineLoop:
             # caches inconsistent, continuing would corrupt other requests: crash, and the server exits 1.
             logger.exception("%s", e)
             self.engine.check_integrity()
+            failure = m.Failure(500, "internal_error", f"the engine failed on this request's batch: {e}")
             for rid in e.request_ids:
-                self.send(
-                    m.ErrorMsg(rid, 500, "internal_error", f"the engine failed on this request's batch: {e}")
-                )
+                self.send(m.ErrorMsg(rid, failure))
             return
         for out in outputs:
             req = out.request_id
@@ -125,7 +129,7 @@ class EngineLoop:
 
     def stats(self, nonce: int = 0) -> m.StatsMsg:
         e, intake = self.engine, self.intake
-        cache = e.encoder.cache.stats if e.encoder is not None else None
+        cache = intake.encoder.cache.stats if intake.encoder is not None else None
         r = intake.assembler.stats
         dropped = (
             r.dropped_stale
@@ -151,9 +155,9 @@ class EngineLoop:
             mc.num_layers, mc.num_kv_heads, mc.head_dim, parse_dtype(cfg.dtype)
         )
         pool = self.engine.pool
-        endpoint, has_vision = self.intake.receiver.endpoint, self.engine.encoder is not None
+        endpoint, has_tower = self.intake.receiver.endpoint, self.intake.encoder is not None
         ready = m.ReadyMsg(m.SCHEMA_VERSION, mc.max_model_len, pool.num_slots, pool.num_slots * per_token, per_token,
-                           endpoint, has_vision)  # fmt: skip
+                           endpoint, has_tower)  # fmt: skip
         self.send(ready)
         poller = zmq.Poller()
         poller.register(self.input, zmq.POLLIN)

@@ -1,10 +1,12 @@
 """Runs one packed forward of the language model over our KV pool.
 
 A batch is a list of chunks `[start, end)` of requests' token sequences: prefill chunks (which may cut an
-image's tokens anywhere) and decode tokens, packed into one `[1, total_tokens, hidden]` row. Input rows are
-text embeddings with image rows spliced in (`splice_chunk`); positions are each request's precomputed
-M-RoPE positions for prompt tokens and `index + rope_delta` after the prompt. `lm_head` runs only on the
-last row of each chunk that reaches the end of its request's known tokens (the rows that are sampled).
+item's tokens anywhere) and decode tokens, packed into one `[1, total_tokens, hidden]` row. Input rows are
+text embeddings with item rows spliced in (`splice_chunk`); positions are each request's precomputed prompt
+positions (rows given by the family: 3 for M-RoPE) and `index + rope_delta` after the prompt. Items' extra
+tensors (DeepStack levels) are sliced with the same rows and handed to the language model through the
+family's `lm_inputs`. `lm_head` runs only on the last row of each chunk that reaches the end of its request's
+known tokens (the rows that are sampled).
 """
 
 from __future__ import annotations
@@ -17,8 +19,9 @@ from mmserve.config import ModelConfig
 from mmserve.engine.attention import AttentionMetadata, SeqAttention, register_attention
 from mmserve.engine.kv_pool import KVPool
 from mmserve.engine.request import Request
-from mmserve.models.loader import load_language_model, parse_dtype
-from mmserve.multimodal.embedding import splice_chunk
+from mmserve.models.family import ModelFamily
+from mmserve.models.loader import parse_dtype
+from mmserve.multimodal.embedding import ChunkExtras, splice_chunk
 
 
 @dataclass
@@ -37,41 +40,47 @@ class ScheduledChunk:
 
 
 class ModelRunner:
-    """Owns the language model (never the vision tower) and runs packed forwards over the KV pool."""
+    """Owns the language model (never a tower) and runs packed forwards over the KV pool."""
 
-    def __init__(self, model_path: str, hf_config, model_config: ModelConfig, dtype: str = "float32",
+    def __init__(self, family: ModelFamily, model_config: ModelConfig, dtype: str = "float32",
                  device: str = "cpu") -> None:  # fmt: skip
-        lm = load_language_model(model_path, hf_config, dtype, register_attention(), device)
+        lm = family.load_language_model(parse_dtype(dtype), register_attention())
+        self.family = family
         self.config = model_config
         self.dtype = parse_dtype(dtype)
         self.device = torch.device(device)
-        self.language_model = lm.model
+        self.language_model = lm.model.to(self.device)
         self.embed_tokens = self.language_model.get_input_embeddings()
-        self.lm_head = lm.lm_head
+        self.lm_head = lm.lm_head.to(self.device)
 
     def positions(self, request: Request, start: int, end: int) -> torch.Tensor:
-        """Position ids (3, n) of tokens [start, end)."""
+        """Position ids (rows, n) of tokens [start, end)."""
         parts = []
         prompt_len = request.prompt_len
+        rows = self.family.position_rows
         if start < prompt_len:
-            if request.positions is not None:
-                parts.append(request.positions[:, start : min(end, prompt_len)])
-            else:
-                parts.append(torch.arange(start, min(end, prompt_len)).expand(3, -1))
+            parts.append(request.positions[:, start : min(end, prompt_len)])
         if end > prompt_len:
             tail = torch.arange(max(start, prompt_len), end) + request.rope_delta
-            parts.append(tail.expand(3, -1))
+            parts.append(tail.expand(rows, -1))
         return torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
 
     @torch.no_grad()
     def forward(self, chunks: list[ScheduledChunk], pool: KVPool) -> torch.Tensor:
         """KV of every chunk token is written to the pool; returns logits (num_sampling_chunks, vocab) fp32."""
         embeds, positions, new_slots, seqs, sample_rows = [], [], [], [], []
+        extra_positions: list[torch.Tensor] = []
+        extra_rows: dict[str, list[torch.Tensor]] = {}
         row = 0
         for chunk in chunks:
             req, n = chunk.request, chunk.num_tokens
             ids = torch.tensor(req.token_ids[chunk.start : chunk.end], dtype=torch.int64)
-            embeds.append(splice_chunk(ids, chunk.start, self.embed_tokens, req.embeddings))
+            extras = ChunkExtras() if self.family.extra_dims else None
+            embeds.append(splice_chunk(ids, chunk.start, self.embed_tokens, req.embeddings, extras))
+            if extras is not None and extras.positions:
+                extra_positions += [p + row for p in extras.positions]
+                for name, parts in extras.rows.items():
+                    extra_rows.setdefault(name, []).extend(parts)
             positions.append(self.positions(req, chunk.start, chunk.end))
             new_slots.append(req.slot_buffer[chunk.start : chunk.end])
             seqs.append(SeqAttention.make(row, n, req.slot_buffer[: chunk.end]))
@@ -80,7 +89,16 @@ class ModelRunner:
                 sample_rows.append(row - 1)
         meta = AttentionMetadata(pool.k_cache, pool.v_cache, torch.cat(new_slots).to(self.device), seqs)
         inputs = torch.cat(embeds).unsqueeze(0).to(self.device, self.dtype)  # (1, T, hidden)
-        pos = torch.cat(positions, dim=1).unsqueeze(1).to(self.device)  # (3, 1, T)
-        hidden = self.language_model(inputs_embeds=inputs, position_ids=pos, use_cache=False, mm_attn=meta)
-        rows = hidden.last_hidden_state[0, sample_rows]  # (num_samples, hidden)
-        return self.lm_head(rows).float()
+        pos = torch.cat(positions, dim=1).to(self.device)  # (rows, T)
+        # HF text models take (batch, T) for plain RoPE and (3, batch, T) for M-RoPE.
+        pos = pos.unsqueeze(1) if self.family.position_rows > 1 else pos
+        kwargs = {}
+        if extra_positions:
+            where = torch.cat(extra_positions).to(self.device)
+            rows = {k: torch.cat(v).to(self.device, self.dtype) for k, v in extra_rows.items()}
+            kwargs = self.family.lm_inputs(row, where, rows)
+        hidden = self.language_model(
+            inputs_embeds=inputs, position_ids=pos, use_cache=False, mm_attn=meta, **kwargs
+        )
+        rows_out = hidden.last_hidden_state[0, sample_rows]  # (num_samples, hidden)
+        return self.lm_head(rows_out).float()

@@ -18,22 +18,22 @@ from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from mmserve.multimodal.items import ItemEmbedding
 from mmserve.transport.embedding_wire import EmbeddingItem, PartHeader
+from mmserve.transport.messages import Failure
 
 
 @dataclass
 class Complete:
     request_id: str
-    items: list[EmbeddingItem]  # ordered by item_index
+    items: list[ItemEmbedding]  # in prompt order
     encoders: list[str]  # who computed each part
 
 
 @dataclass
 class Failed:
     request_id: str
-    status: int
-    code: str
-    message: str
+    failure: Failure
 
 
 @dataclass
@@ -105,7 +105,7 @@ class PartAssembler:
             return []
         if header.error is not None:
             if header.error.status < 500:
-                return [self._fail(rid, header.error.status, header.error.code, header.error.message)]
+                return [self._fail(rid, header.error)]
             pending.server_errors[header.part_index] = header.error.message
             return []
         if header.part_index in pending.parts:
@@ -114,7 +114,7 @@ class PartAssembler:
         seen = {i for part in pending.parts.values() for i in (it.item_index for it in part)}
         for it in items:
             if it.item_index >= len(pending.modalities) or it.item_index in seen \
-                    or pending.modalities[it.item_index] != it.modality:  # fmt: skip
+                    or pending.modalities[it.item_index] != it.item.modality.value:  # fmt: skip
                 self.stats.dropped_invalid += 1
                 return []
         pending.parts[header.part_index] = items
@@ -123,14 +123,13 @@ class PartAssembler:
             return []
         got = sorted((it for part in pending.parts.values() for it in part), key=lambda it: it.item_index)
         if [it.item_index for it in got] != list(range(len(pending.modalities))):
-            return [
-                self._fail(
-                    rid, 502, "incomplete_parts", "encoders returned parts that do not cover every item"
-                )
-            ]
+            failure = Failure(502, "incomplete_parts", "encoders returned parts that do not cover every item")
+            return [self._fail(rid, failure)]
         del self._pending[rid]
         self._mark_finished(rid)
-        return [Complete(rid, got, [pending.encoders[i] for i in sorted(pending.encoders)])]
+        return [
+            Complete(rid, [it.item for it in got], [pending.encoders[i] for i in sorted(pending.encoders)])
+        ]
 
     def expire(self) -> list[Failed]:
         """Fail requests past their deadline and drop early parts past their TTL."""
@@ -140,8 +139,8 @@ class PartAssembler:
             if now >= pending.deadline:
                 missing = sorted(set(range(pending.num_parts)) - set(pending.parts))
                 why = "; ".join(pending.server_errors.values()) or "no answer from the encoder"
-                failed.append(self._fail(rid, 504, "encode_timeout",
-                                         f"embedding part(s) {missing} did not arrive in time ({why})"))  # fmt: skip
+                message = f"embedding part(s) {missing} did not arrive in time ({why})"
+                failed.append(self._fail(rid, Failure(504, "encode_timeout", message)))
         while self._early:
             key, (arrived, _, _) = next(iter(self._early.items()))
             if now - arrived < self.early_ttl_s:
@@ -157,10 +156,10 @@ class PartAssembler:
         self._early[(header.request_id, header.part_index)] = (self.clock(), header, items)
         self.stats.early_buffered += 1
 
-    def _fail(self, rid: str, status: int, code: str, message: str) -> Failed:
+    def _fail(self, rid: str, failure: Failure) -> Failed:
         self._pending.pop(rid, None)
         self._mark_finished(rid)
-        return Failed(rid, status, code, message)
+        return Failed(rid, failure)
 
     def _mark_finished(self, rid: str) -> None:
         if len(self._finished) == self._finished.maxlen:

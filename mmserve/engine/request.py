@@ -32,8 +32,8 @@ class Request:
     params: SamplingParams
     items: list[MultimodalItem] = field(default_factory=list)
     embeddings: list[PlacedEmbedding] = field(default_factory=list)
-    positions: torch.Tensor | None = None  # (3, prompt_len) M-RoPE positions, None for 1-D RoPE
-    rope_delta: int = 0
+    positions: torch.Tensor | None = None  # (rows, prompt_len): 3 rows for M-RoPE, 1 for plain RoPE
+    rope_delta: int = 0  # decode position of index i >= prompt_len: i + rope_delta
     generator: torch.Generator | None = None
 
     status: RequestStatus = RequestStatus.WAITING
@@ -51,6 +51,7 @@ class Request:
     finish_time: float | None = None
 
     def __post_init__(self) -> None:
+        assert self.params.max_tokens is not None, "the engine resolves max_tokens at admission"
         self.token_ids = list(self.prompt_ids)
         # Slot of every computed token; sized for the whole request so appends never reallocate.
         self.slot_buffer = torch.empty(len(self.prompt_ids) + self.params.max_tokens, dtype=torch.int64)

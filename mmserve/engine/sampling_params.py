@@ -1,27 +1,34 @@
-"""Per-request sampling parameters, shaped like vLLM's `SamplingParams`."""
+"""Per-request sampling parameters, shaped like vLLM's `SamplingParams`.
+
+A msgspec Struct, so the same object travels from the API server to the engine process (msgpack) and is
+validated again on arrival: no field-by-field copy at either boundary.
+"""
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+
+import msgspec
 
 
-@dataclass
-class SamplingParams:
+class SamplingParams(msgspec.Struct, kw_only=True):
     """How to pick tokens for one request and when to stop.
 
     Treat instances as immutable after construction; `stop` is normalised to a tuple of strings and
     `stop_token_ids` to a tuple of ints. Invalid values raise `ValueError` naming the parameter.
+    `max_tokens=None` means "the rest of the context": the engine resolves it at admission.
     """
 
-    max_tokens: int = 16
+    max_tokens: int | None = 16
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0 or -1 disables top-k
     min_p: float = 0.0
     seed: int | None = None
-    stop: list[str] | tuple[str, ...] | str | None = None
-    stop_token_ids: list[int] | tuple[int, ...] | None = None
+    # Accepts a string or a list too (normalised in __post_init__); declared as the normal form so that
+    # msgspec can decode it.
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
@@ -33,9 +40,10 @@ class SamplingParams:
 
     def validate(self) -> None:
         """Raise `ValueError` if any parameter is out of range."""
-        _check_int("max_tokens", self.max_tokens)
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if self.max_tokens is not None:
+            _check_int("max_tokens", self.max_tokens)
+            if self.max_tokens < 1:
+                raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
         _check_number("temperature", self.temperature)
         if not math.isfinite(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
@@ -61,6 +69,10 @@ class SamplingParams:
     def greedy(self) -> bool:
         """True when sampling reduces to argmax over the raw logits."""
         return self.temperature == 0 or self.top_k == 1
+
+    def with_max_tokens(self, max_tokens: int) -> SamplingParams:
+        """A copy with `max_tokens` set (the engine resolving None at admission)."""
+        return msgspec.structs.replace(self, max_tokens=max_tokens)
 
 
 def _is_int(value: object) -> bool:

@@ -59,47 +59,14 @@ def load_tokenizer(path: str):
     return AutoTokenizer.from_pretrained(path)
 
 
-def load_processor(path: str, hf_config=None, mm_processor_kwargs: dict[str, Any] | None = None):
-    """The model family's multimodal processor (see mmserve.multimodal.processors)."""
-    from mmserve.multimodal.processors.base import processor_class
-
-    hf_config = hf_config or load_hf_config(path)
-    return processor_class(hf_config.model_type).from_pretrained(path, hf_config, mm_processor_kwargs or {})
-
-
 def load_model(path: str, dtype: str | torch.dtype = "float32", device: str = "cpu",
                attn_implementation: str | dict | None = None):  # fmt: skip
-    """The full image-text-to-text model in eval mode."""
-    from transformers import AutoModelForImageTextToText
+    """The full Hugging Face model (towers and language model) in eval mode: the parity oracle and the
+    `hf` bench baseline. Serving loads the halves on their own (see mmserve.models.family)."""
+    from transformers import AutoModelForMultimodalLM
 
     kwargs: dict[str, Any] = {"dtype": parse_dtype(dtype)}
     if attn_implementation is not None:
         kwargs["attn_implementation"] = attn_implementation
-    model = AutoModelForImageTextToText.from_pretrained(path, **kwargs)
+    model = AutoModelForMultimodalLM.from_pretrained(path, **kwargs)
     return model.to(device).eval()
-
-
-def _family(model_type: str):
-    # Model-specific loading lives in the family's module; this table picks it.
-    from mmserve.models import qwen2_vl
-
-    families = {"qwen2_vl": qwen2_vl, "qwen2_5_vl": qwen2_vl}
-    if model_type not in families:
-        raise ValueError(f"unsupported model_type {model_type!r}; supported: {sorted(families)}")
-    return families[model_type]
-
-
-def load_language_model(path: str, hf_config, dtype: str | torch.dtype, attn_implementation: str,
-                        device: str = "cpu"):  # fmt: skip
-    """Only the language model and its head (no vision weights are read)."""
-    lm = _family(hf_config.model_type).load_language_model(
-        path, hf_config, parse_dtype(dtype), attn_implementation
-    )
-    lm.model.to(device)
-    lm.lm_head.to(device)
-    return lm
-
-
-def load_vision_tower(path: str, hf_config, dtype: str | torch.dtype, device: str = "cpu") -> torch.nn.Module:
-    """Only the vision tower (no language-model weights are read)."""
-    return _family(hf_config.model_type).load_vision_tower(path, hf_config, parse_dtype(dtype)).to(device)

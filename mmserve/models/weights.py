@@ -55,3 +55,61 @@ def load_into(module: torch.nn.Module, tensors: dict[str, torch.Tensor], what: s
             f"unexpected {sorted(unexpected)[:5]} ({len(unexpected)})"
         )
     module.load_state_dict(tensors, strict=True)
+
+
+def build_empty(config, dtype: torch.dtype, attn_implementation: str, cls=None) -> torch.nn.Module:
+    """An HF module for `config` (of `cls`, default transformers' AutoModel class for the config) with
+    uninitialised weights (they are loaded next), in `dtype`."""
+    from transformers.initialization import no_init_weights
+
+    if cls is None:
+        from transformers.models.auto.modeling_auto import MODEL_MAPPING
+
+        cls = MODEL_MAPPING[type(config)]
+    config._attn_implementation = attn_implementation
+    with no_init_weights():
+        return cls._from_config(config, dtype=dtype)
+
+
+def tied_embeddings(hf_config) -> bool:
+    """Whether the head shares the input embedding (the top-level or the text config says so)."""
+    return bool(getattr(hf_config, "tie_word_embeddings", False)
+                or getattr(hf_config.get_text_config(), "tie_word_embeddings", False))  # fmt: skip
+
+
+def load_language_model(path: str, hf_config, dtype: torch.dtype, attn_implementation: str, prefixes: Sequence[str],
+                        exclude: Sequence[str], head_prefixes: Sequence[str], text_cls=None):  # fmt: skip
+    """The text model (of `text_cls`, default its AutoModel class) and its head, from the checkpoint in `path`.
+
+    `prefixes` locate the text model's tensors (first match wins; keys under `exclude` are skipped),
+    `head_prefixes` the head's. Without a head in the checkpoint and with tied embeddings, the head shares the
+    input embedding. Raises ValueError on any missing or unexpected tensor.
+    """
+    from mmserve.models.family import LanguageModel
+
+    text_model = build_empty(hf_config.get_text_config(), dtype, attn_implementation, text_cls)
+    load_into(text_model, dict(iter_prefixed(path, prefixes, exclude=exclude)), "language model")
+    emb = text_model.get_input_embeddings().weight  # (vocab, hidden)
+    head = dict(iter_prefixed(path, head_prefixes))
+    if head:
+        lm_head = torch.nn.Linear(emb.shape[1], emb.shape[0], bias=False, dtype=emb.dtype)
+        load_into(lm_head, head, "lm_head")
+    elif tied_embeddings(hf_config):
+        lm_head = torch.nn.Linear(emb.shape[1], emb.shape[0], bias=False, dtype=emb.dtype, device="meta")
+        lm_head.weight = emb
+    else:
+        raise ValueError("checkpoint has no lm_head.weight and the model does not tie embeddings")
+    return LanguageModel(text_model.eval(), lm_head.eval())
+
+
+def renamed(tensors: Iterator[tuple[str, torch.Tensor]], strip: Sequence[str]) -> dict[str, torch.Tensor]:
+    """Drop the first of `strip` that starts each key (older checkpoint layouts nest a module one level
+    deeper, e.g. `vision_model.` inside a SigLIP tower)."""
+    out = {}
+    for key, tensor in tensors:
+        for prefix in strip:
+            if key.startswith(prefix):
+                key = key[len(prefix) :]
+                break
+        out[key] = tensor
+    return out

@@ -19,6 +19,13 @@ class MediaError(Exception):
         self.item = item
         super().__init__(f"{item}: {message}" if item else message)
 
+    @property
+    def failure(self):
+        """This error as the Failure every boundary carries."""
+        from mmserve.transport.messages import Failure
+
+        return Failure(self.status, self.code, str(self))
+
 
 class MediaFetchError(MediaError):
     """The media could not be retrieved (network error, HTTP error, timeout)."""

@@ -1,13 +1,20 @@
-"""Multimodal items: modality, content hash, pad value and offsets.
+"""Multimodal items: modality, content hash, pad value, tower inputs, embeddings and their place in a prompt.
 
 Invariants (see docs/architecture.md):
-- content hash: 128-bit blake2b over (modality, the media's raw bytes, the output-relevant preprocessing
-  settings). Two items share an embedding iff their hashes are equal. It is computed from the raw bytes
-  before decoding, so a cache hit skips decoding entirely.
+- content hash: 128-bit blake2b over (modality, the media's raw bytes, every setting that changes the item's
+  output: the family's preprocessing, the media sampling, per-request item settings). Two items share an
+  embedding iff their hashes are equal. It is computed from the raw bytes before decoding, so a cache hit
+  skips decoding entirely.
 - pad value: PAD_BASE + the low PAD_BITS bits of the digest. PAD_BASE = 2**62 lies above every vocabulary
   id and the sum stays below 2**63, so pad values are valid int64 token ids that the radix prefix cache can
   key on ("same text + same image" matches, "same text + other image" does not).
-- offsets: the half-open range [offset, offset + num_tokens) of the item's tokens in the expanded prompt.
+- span: an item occupies the half-open range [offset, offset + span) of the expanded prompt. Its
+  `num_tokens` embedding rows go, in order, to the positions of that range holding its pad value; the span
+  is longer than `num_tokens` only when the family interleaves text inside an item (Qwen3-VL puts a
+  timestamp before every video frame).
+
+Generic code carries an item's family metadata as opaque bytes and its tensors by name; only the model
+family (mmserve.models) reads them.
 """
 
 from __future__ import annotations
@@ -15,12 +22,16 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
 
 PAD_BASE = 1 << 62
 PAD_BITS = 61  # >= 60 bits of the digest; PAD_BASE + 2**61 < 2**63 keeps pad values in int64
+MAIN = "main"  # name of an item's main embedding among its tensors: (num_tokens, hidden)
 
 
 class Modality(StrEnum):
@@ -50,20 +61,67 @@ def pad_value(digest: bytes) -> int:
 
 
 @dataclass
-class MultimodalItem:
-    """One image, video or audio clip of a request, from reference to placement in the prompt.
+class TowerInput:
+    """One preprocessed item, ready for its family's tower.
 
-    `grid_thw` is the vision grid in patches (t, h, w) before merging; `num_tokens` the number of LM tokens
-    the item expands to. `offset` is set when the prompt is expanded (-1 before).
+    `tensors` and `metadata` are the family's own (pixel values and a grid, audio features and a length
+    ...); `num_tokens` is how many LM tokens the item becomes; `cost` weighs it for the tower batcher's
+    budget (patches, frames).
+    """
+
+    modality: Modality
+    tensors: dict[str, torch.Tensor]
+    metadata: bytes
+    num_tokens: int
+    cost: int
+
+
+@dataclass
+class ItemEmbedding:
+    """An item's embedding as it travels: encoder -> cache -> wire -> engine.
+
+    `tensors[MAIN]` is `(num_tokens, hidden)`; every other tensor is an extra input of the family's language
+    model, row-aligned with the main one (`(num_tokens, dim)`, e.g. Qwen3-VL's DeepStack levels) so a prefill
+    chunk slices it exactly like the main rows. `metadata` is the family's, opaque here.
     """
 
     modality: Modality
     content_hash: bytes
+    tensors: dict[str, torch.Tensor]
+    metadata: bytes = b""
+
+    @property
+    def embedding(self) -> torch.Tensor:
+        return self.tensors[MAIN]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.tensors[MAIN].shape[0]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors.values()) + len(self.metadata)
+
+    @property
+    def pad_value(self) -> int:
+        return pad_value(self.content_hash)
+
+
+@dataclass
+class MultimodalItem:
+    """An item placed in an expanded prompt: `offset` and `span` are set by the family's `expand` (-1 / 0
+    before)."""
+
+    modality: Modality
+    content_hash: bytes
     num_tokens: int
-    grid_thw: tuple[int, int, int] | None = None
+    metadata: bytes = b""
     offset: int = -1
-    # Video only (Qwen2.5-VL temporal positions): seconds covered by one temporal grid step.
-    second_per_grid_t: float = 1.0
+    span: int = 0
+
+    @classmethod
+    def of(cls, item: ItemEmbedding) -> MultimodalItem:
+        return cls(item.modality, item.content_hash, item.num_tokens, item.metadata)
 
     @property
     def pad_value(self) -> int:
@@ -71,4 +129,18 @@ class MultimodalItem:
 
     @property
     def end(self) -> int:
-        return self.offset + self.num_tokens
+        return self.offset + self.span
+
+
+@dataclass
+class ExpandedPrompt:
+    """A prompt after placeholder expansion.
+
+    `token_ids`: engine ids, every item token replaced by the item's pad value (the radix-cache key).
+    `hf_token_ids`: the same prompt with the model's own placeholder ids, as HF `generate` expects.
+    `items`: the request's items in prompt order, with `offset` and `span` set.
+    """
+
+    token_ids: list[int]
+    hf_token_ids: list[int]
+    items: list[MultimodalItem] = field(default_factory=list)

@@ -1,6 +1,6 @@
 """OpenAI-style chat messages -> chat-template messages + the media references they carry.
 
-Content parts: `text`, `image_url` ({"url": ...} or a bare string), `video_url`, `input_audio`
+Content parts: `text`, `image_url` ({"url": ...} or a bare string), `video_url`, `audio_url`, `input_audio`
 ({"data": base64, "format": "wav"}). Every media part becomes a placeholder part ({"type": "image"} ...) in
 the template messages, so the chat template emits exactly one placeholder per item. Malformed input raises
 ValueError naming the message and the part (HTTP 400 later).
@@ -13,7 +13,7 @@ from typing import Any
 from mmserve.multimodal.items import Modality
 from mmserve.multimodal.media import MediaRef
 
-_URL_PARTS = {"image_url": Modality.IMAGE, "video_url": Modality.VIDEO}
+_URL_PARTS = {"image_url": Modality.IMAGE, "video_url": Modality.VIDEO, "audio_url": Modality.AUDIO}
 _ROLES = {"system", "user", "assistant", "tool", "developer"}
 
 

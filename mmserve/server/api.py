@@ -81,7 +81,7 @@ async def _send_error(send, err: APIError) -> None:
 
 
 def build_app(
-    cfg: ServerConfig, client: EngineClient, tokenizer, metrics: ServerMetrics, dispatcher=None
+    cfg: ServerConfig, client: EngineClient, tokenizer, family, metrics: ServerMetrics, dispatcher=None
 ) -> FastAPI:
     app = FastAPI(title="mmserve", version="0.1.0")
     app.add_middleware(BodyLimitMiddleware, max_bytes=cfg.max_request_body_bytes)
@@ -212,7 +212,13 @@ def build_app(
         except Exception as e:  # a template that rejects the conversation (e.g. bad role order)
             raise APIError(400, f"chat template failed: {e}", "invalid_messages") from e
         prompt_ids = tokenize(text)
-        items = [MediaItemMsg(mod.value, url=ref.url, data=ref.data) for mod, ref in media]
+        for modality, _ in media:
+            if modality not in family.modalities:
+                raise APIError(400, f"this model takes no {modality.value} input (it takes "
+                                    f"{', '.join(sorted(m.value for m in family.modalities))})", "unsupported_media")  # fmt: skip
+        settings = family.item_settings([mod for mod, _ in media])
+        items = [MediaItemMsg(mod.value, url=ref.url, data=ref.data, settings=s)
+                 for (mod, ref), s in zip(media, settings, strict=True)]  # fmt: skip
         return await generate(request, body, "chat", prompt_ids, items)
 
     @app.post("/v1/completions", openapi_extra=_json_body(CompletionRequest))
@@ -235,11 +241,11 @@ def build_app(
         if len(prompt_ids) >= max_model_len:
             raise APIError(400, f"prompt has {len(prompt_ids)} tokens; the model's context is {max_model_len}",
                            "context_length_exceeded")  # fmt: skip
-        max_tokens = max_tokens_of(body)
+        max_tokens_of(body)
         params = body.sampling_params()
         check_capacity()
         gen = Generation(client, tokenizer, metrics, f"{kind}-{uuid.uuid4().hex[:12]}-{next(ids)}", prompt_ids,
-                         items, params, max_tokens, dispatcher)  # fmt: skip
+                         items, params, dispatcher)  # fmt: skip
         admitting.add(gen.request_id)
         try:
             await run_with_disconnect(request, gen.start())

@@ -72,10 +72,15 @@ class EncoderWorkers:
                         raise RuntimeError(f"encoder worker {url} not healthy after {timeout_s}s")
                     await asyncio.sleep(0.2)
 
-    def stop(self, timeout_s: float = 10.0) -> None:
+    def terminate(self) -> None:
+        """Ask every worker to stop (SIGTERM) without waiting: they shut down beside the engine."""
         for proc in self.procs:
             if proc.poll() is None:
                 proc.terminate()
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Stop every worker and wait for it (SIGKILL after `timeout_s`)."""
+        self.terminate()
         for proc in self.procs:
             try:
                 proc.wait(timeout=timeout_s)

@@ -137,8 +137,9 @@ class EngineClient:
             await asyncio.sleep(0.2)
         self.dead = True
         logger.error("engine process died (exit code %s)", self.proc.returncode)
+        failure = m.Failure(503, "engine_dead", "the engine process died; retry later")
         for rid, queue in list(self._queues.items()):
-            queue.put_nowait(m.ErrorMsg(rid, 503, "engine_dead", "the engine process died; retry later"))
+            queue.put_nowait(m.ErrorMsg(rid, failure))
         if self.on_death is not None:
             self.on_death()
 

@@ -35,11 +35,12 @@ def build_dispatcher(
     # Two attempts per part (first encoder, one retry) must fit well inside the engine's deadline.
     secret = cluster_auth.from_config(server_cfg.cluster_secret)
     return Dispatcher(registry, make_policy(server_cfg.encoder_routing), client, ready.embedding_endpoint,
-                      ready.has_vision, attempt_timeout_s=engine_cfg.encode_timeout_s / 3,
+                      ready.has_tower, attempt_timeout_s=engine_cfg.encode_timeout_s / 3,
                       headers=secret.headers if secret else None)  # fmt: skip
 
 
 async def serve_async(server_cfg: ServerConfig, engine_cfg: EngineConfig) -> int:
+    from mmserve.models.family import load_family
     from mmserve.models.loader import load_tokenizer
     from mmserve.server.api import build_app
     from mmserve.server.metrics import ServerMetrics
@@ -55,20 +56,28 @@ async def serve_async(server_cfg: ServerConfig, engine_cfg: EngineConfig) -> int
 
     client = EngineClient(engine_cfg, server_cfg.log_level, on_death=on_engine_death,
                           cluster_secret=server_cfg.cluster_secret)  # fmt: skip
+    # Encoder workers need nothing from the engine: they start beside it (start-up in parallel, not in turn).
+    workers = EncoderWorkers(
+        engine_cfg, server_cfg.encoder_workers, server_cfg.log_level, server_cfg.cluster_secret
+    )
+
+    def load_text_side():  # on a thread while the engine boots: the tokenizer and the family's request rules
+        mm_kwargs = dict(engine_cfg.mm_processor_kwargs)
+        return load_tokenizer(engine_cfg.model), load_family(engine_cfg.model, mm_processor_kwargs=mm_kwargs)
+
+    text_side = asyncio.create_task(asyncio.to_thread(load_text_side))
     try:
         ready = await client.start(server_cfg.engine_start_timeout_s)
-    except EngineDeadError as e:
+        tokenizer, family = await text_side
+    except (EngineDeadError, ValueError, OSError) as e:
         logger.error("%s", e)
+        workers.stop()
         await client.shutdown()
         return 1
     print(f"mmserve: engine ready: KV cache {ready.kv_cache_tokens} tokens "
           f"({ready.kv_cache_bytes / 2**20:.1f} MB, {ready.kv_bytes_per_token} bytes/token), "
           f"max model len {ready.max_model_len}", flush=True)  # fmt: skip
-    tokenizer = load_tokenizer(engine_cfg.model)
     dispatcher = build_dispatcher(server_cfg, engine_cfg, client, ready)
-    workers = EncoderWorkers(
-        engine_cfg, server_cfg.encoder_workers, server_cfg.log_level, server_cfg.cluster_secret
-    )
     try:
         await workers.wait_healthy(server_cfg.engine_start_timeout_s)
     except RuntimeError as e:
@@ -81,7 +90,9 @@ async def serve_async(server_cfg: ServerConfig, engine_cfg: EngineConfig) -> int
     if dispatcher.registry.all():
         print(f"mmserve: EPD with encoders {[e.url for e in dispatcher.registry.all()]} "
               f"(routing {server_cfg.encoder_routing})", flush=True)  # fmt: skip
-    app = build_app(server_cfg, client, tokenizer, ServerMetrics(server_cfg.served_model_name), dispatcher)
+    app = build_app(
+        server_cfg, client, tokenizer, family, ServerMetrics(server_cfg.served_model_name), dispatcher
+    )
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
@@ -91,8 +102,9 @@ async def serve_async(server_cfg: ServerConfig, engine_cfg: EngineConfig) -> int
         yield
         prober.cancel()
         await dispatcher.close()
-        workers.stop()
+        workers.terminate()
         await client.shutdown()
+        workers.stop()
 
     app.router.lifespan_context = lifespan
     config = uvicorn.Config(app, host=server_cfg.host, port=server_cfg.port, log_level=server_cfg.log_level,

@@ -25,6 +25,12 @@ class APIError(Exception):
         self.type = err_type or _default_type(status)
         self.headers = headers
 
+    @classmethod
+    def of(cls, failure) -> APIError:
+        """The HTTP error for a Failure (mmserve.transport.messages) from the engine or an encoder."""
+        headers = {"Retry-After": "1"} if failure.status == 503 else None
+        return cls(failure.status, failure.message, failure.code, headers=headers)
+
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "code": self.code, "param": None}}
 
@@ -64,12 +70,12 @@ class _SamplingFields(BaseModel):
     stream_options: StreamOptions | None = None
 
     def sampling_params(self) -> SamplingParams:
-        """Validated sampling settings. max_tokens travels separately to the engine (None there means the rest
-        of the context), so here it only needs to be valid."""
+        """Validated sampling settings; max_tokens None means the rest of the context (the engine resolves
+        it)."""
         stop = [self.stop] if isinstance(self.stop, str) else self.stop
         try:
             return SamplingParams(
-                max_tokens=self.requested_max_tokens or 1,
+                max_tokens=self.requested_max_tokens,
                 temperature=1.0 if self.temperature is None else self.temperature,
                 top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k or 0,
                 min_p=self.min_p or 0.0, seed=self.seed, stop=stop or None, stop_token_ids=self.stop_token_ids,

@@ -19,8 +19,6 @@ from mmserve.server.metrics import ServerMetrics
 from mmserve.server.protocol import APIError
 from mmserve.transport import messages as m
 
-DISPATCH_REPORT_WAIT_S = 2.0
-
 
 @dataclass
 class Timings:
@@ -43,8 +41,7 @@ class Generation:
     request_id: str
     prompt_token_ids: list[int]
     media: list[m.MediaItemMsg]
-    params: SamplingParams
-    max_tokens: int | None  # None: up to the context length
+    params: SamplingParams  # max_tokens None: up to the context length
     dispatcher: object | None = None  # mmserve.dispatch.dispatcher.Dispatcher
     start_time: float = field(default_factory=time.perf_counter)
     prompt_tokens: int = 0
@@ -58,16 +55,12 @@ class Generation:
 
     async def start(self) -> None:
         """Send the request and wait until the engine accepted it. Raises APIError."""
-        p = self.params
-        sampling = m.SamplingMsg(
-            max_tokens=self.max_tokens, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, min_p=p.min_p,
-            seed=p.seed, stop_token_ids=list(p.stop_token_ids), ignore_eos=p.ignore_eos,
-        )  # fmt: skip
         parts = self._plan_parts()
+        self._dispatch: asyncio.Future | None = None
         try:
             self._stream = self.client.generate(
                 m.GenerateReq(
-                    self.request_id, self.prompt_token_ids, self.media, sampling, num_parts=len(parts)
+                    self.request_id, self.prompt_token_ids, self.media, self.params, num_parts=len(parts)
                 )
             )
             pending = asyncio.ensure_future(anext(self._stream))  # sends the request to the engine first
@@ -79,18 +72,11 @@ class Generation:
         except EngineDeadError as e:
             raise APIError(503, str(e), "engine_unavailable") from e
         if isinstance(first, m.ErrorMsg):
-            raise APIError(first.status, first.message, first.code)
+            raise APIError.of(first.failure)
         assert isinstance(first, m.AcceptedMsg)
         self.prompt_tokens = first.prompt_tokens
         self.mm_items, self.mm_cache_hits = first.mm_items, first.mm_cache_hits
         self.encoded_by = list(first.encoded_by)
-        if parts:  # the parts are in, so the encoders' answers follow at once: collect their cache hits
-            try:
-                self.mm_cache_hits = await asyncio.wait_for(
-                    asyncio.shield(self._dispatch), DISPATCH_REPORT_WAIT_S
-                )
-            except TimeoutError:
-                pass
         self.timings.encode_s = first.encode_s
         self.metrics.encode_time.observe(first.encode_s)
 
@@ -101,7 +87,7 @@ class Generation:
         parts = self.dispatcher.plan(self.media)
         if parts is not None:
             return parts
-        if self.dispatcher.engine_has_vision:
+        if self.dispatcher.engine_has_tower:
             return []
         raise APIError(503, "no healthy encoder is available and this server has no vision weights",
                        "encoder_unavailable", headers={"Retry-After": "1"})  # fmt: skip
@@ -113,7 +99,7 @@ class Generation:
         try:
             async for msg in self._stream:
                 if isinstance(msg, m.ErrorMsg):
-                    raise APIError(msg.status, msg.message, msg.code)
+                    raise APIError.of(msg.failure)
                 now = time.perf_counter()
                 if not msg.token_ids and msg.finish_reason is None:
                     continue
@@ -163,6 +149,13 @@ class Generation:
         self.metrics.requests.labels(self.metrics.model_name, self.finish_reason).inc()
 
     def extra(self) -> dict:
-        """Non-standard response field with per-request timings (the OpenAI SDK keeps unknown fields)."""
+        """Non-standard response field with per-request timings (the OpenAI SDK keeps unknown fields).
+
+        In EPD the encoders report their cache hits in their answers to the dispatcher, which normally come
+        in before the first token; if one is still outstanding it is simply not counted (never waited for).
+        """
+        if self._dispatch is not None and self._dispatch.done() and not self._dispatch.cancelled() \
+                and self._dispatch.exception() is None:  # fmt: skip
+            self.mm_cache_hits = self._dispatch.result()
         return {"timings": self.timings.as_dict(), "encoded_by": ", ".join(self.encoded_by) or "none",
                 "mm_items": self.mm_items, "mm_cache_hits": self.mm_cache_hits}  # fmt: skip

@@ -1,78 +1,124 @@
-"""Parity oracle: Hugging Face `generate` (greedy) on the same model and inputs.
+"""Parity oracle: Hugging Face `generate` (greedy) on the same model and inputs, prepared by transformers.
 
-Every serving mode is compared token for token with `hf_reference(...)`. The oracle uses only HF's model
-code plus our processor's tower inputs and placeholder expansion (HF's own Qwen2-VL processor needs
-torchvision); M-RoPE positions are computed by HF's `get_rope_index` inside `generate`.
+Every serving mode is compared token for token with `HFReference.generate(...)`. The oracle shares no
+preprocessing code with mmserve: the prompt is expanded, and pixels / audio features are computed, by
+transformers' own processor class of the family (its PIL image processor or feature extractor, built by the
+family module's `hf_processor`), so a bug in our processor fails parity. One exception, stated where it
+applies: transformers' video processors need torchvision, which cannot run beside this CPU torch, so video
+pixels come from our preprocessing through `PrecomputedVideos` (HF's processor still expands the
+placeholders, timestamps included, from them); that preprocessing is checked on its own against the
+family's image processor and the published layout formulas (tests/test_processor*.py).
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from mmserve.multimodal.items import Modality, MultimodalItem, content_hash
-from mmserve.multimodal.processors.base import ExpandedPrompt, ProcessedItem
+from mmserve.models.family import family_module, load_family
+from mmserve.models.loader import load_hf_config, load_model, load_tokenizer
+from mmserve.multimodal.items import Modality
+
+
+@contextlib.contextmanager
+def allow_any_video_processor():
+    """Let an HF processor class be built with a video processor of another class (HF's need torchvision):
+    its constructor checks each part's class."""
+    from transformers import processing_utils as pu
+
+    original = pu.ProcessorMixin.check_argument_for_proper_class
+
+    def check(self, name, arg):
+        return type(arg) if name == "video_processor" else original(self, name, arg)
+
+    pu.ProcessorMixin.check_argument_for_proper_class = check
+    try:
+        yield
+    finally:
+        pu.ProcessorMixin.check_argument_for_proper_class = original
+
+
+def _base_video_processor():
+    from transformers.video_processing_utils import BaseVideoProcessor
+
+    return BaseVideoProcessor
+
+
+class PrecomputedVideos(_base_video_processor()):
+    """Stands in for an HF video processor: returns `compute(videos)` for the decoded videos set in
+    `videos` before the processor call (our own video preprocessing, see the module docstring).
+    Attributes the HF processor reads (merge_size, temporal_patch_size ...) are given as keywords."""
+
+    def __init__(self, compute: Callable[[list], dict] | None = None, **attributes: Any) -> None:
+        super().__init__()
+        self.compute = compute
+        self.videos: list = []
+        for key, value in attributes.items():
+            setattr(self, key, value)
+
+    def __call__(self, videos, **kwargs):
+        from transformers.image_processing_utils import BatchFeature
+
+        return BatchFeature(self.compute(self.videos), tensor_type=None)
 
 
 @dataclass
 class ReferenceOutput:
-    prompt: ExpandedPrompt
     token_ids: list[int]
     logits: torch.Tensor  # (num_generated, vocab) fp32, the scores each greedy token was chosen from
+    input_ids: list[int]  # HF's expanded prompt
 
 
-def prepare_prompt(
-    tokenizer, processor, messages: list[dict[str, Any]], media: list[tuple[Modality, Any]]
-) -> tuple[ExpandedPrompt, list[ProcessedItem]]:
-    """Render the chat template, preprocess `media` (decoded items in prompt order) and expand."""
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    token_ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    processed = [processor.process(modality, obj) for modality, obj in media]
-    items = [
-        MultimodalItem(
-            p.modality,
-            content_hash(p.modality, p.pixel_values.numpy().tobytes(), processor.hash_settings(p.modality)),
-            p.num_tokens,
-            p.grid_thw,
-            second_per_grid_t=p.second_per_grid_t,
-        )
-        for p in processed
-    ]
-    return processor.expand(token_ids, items), processed
+class HFReference:
+    """The full HF model of a checkpoint with HF's own processor class."""
 
+    def __init__(
+        self, model_dir: str, dtype: str = "float32", mm_processor_kwargs: dict | None = None
+    ) -> None:
+        hf_config = load_hf_config(model_dir)
+        self.model = load_model(model_dir, dtype=dtype)
+        self.tokenizer = load_tokenizer(model_dir)
+        # Our family only prepares what HF cannot (video pixels); see PrecomputedVideos.
+        self.family = load_family(model_dir, hf_config, mm_processor_kwargs)
+        self.processor = family_module(hf_config.model_type).hf_processor(model_dir, self.family)
 
-def hf_generate(model, prompt: ExpandedPrompt, processed: list[ProcessedItem], max_new_tokens: int = 16,
-                streamer=None) -> ReferenceOutput:  # fmt: skip
-    """Greedy `generate` with HF's inputs for `prompt`; returns the new tokens and their logits."""
-    input_ids = torch.tensor([prompt.hf_token_ids])
-    types = {Modality.IMAGE: 1, Modality.VIDEO: 2}
-    kind = {tid: types[m] for m, tid in model_placeholders(model).items()}
-    inputs: dict[str, Any] = {
-        "input_ids": input_ids,
-        "attention_mask": torch.ones_like(input_ids),
-        "mm_token_type_ids": torch.tensor([[kind.get(t, 0) for t in prompt.hf_token_ids]]),
-    }
-    images = [p for p in processed if p.modality == Modality.IMAGE]
-    videos = [p for p in processed if p.modality == Modality.VIDEO]
-    if images:
-        inputs["pixel_values"] = torch.cat([p.pixel_values for p in images]).to(model.dtype)
-        inputs["image_grid_thw"] = torch.tensor([p.grid_thw for p in images])
-    if videos:
-        inputs["pixel_values_videos"] = torch.cat([p.pixel_values for p in videos]).to(model.dtype)
-        inputs["video_grid_thw"] = torch.tensor([p.grid_thw for p in videos])
-        if model.config.model_type == "qwen2_5_vl":
-            inputs["second_per_grid_ts"] = torch.tensor([p.second_per_grid_t for p in videos])
-    with torch.no_grad():
-        out = model.generate(
-            **inputs, max_new_tokens=max_new_tokens, do_sample=False, output_logits=True, streamer=streamer,
-            return_dict_in_generate=True, eos_token_id=None, pad_token_id=model.generation_config.pad_token_id,
-        )  # fmt: skip
-    new_tokens = out.sequences[0, input_ids.shape[1] :].tolist()
-    logits = torch.cat([step.float() for step in out.logits], dim=0)
-    return ReferenceOutput(prompt, new_tokens, logits)
+    def inputs(self, messages: list[dict[str, Any]], media: list[tuple[Modality, Any]]):
+        """HF model inputs for template messages (one placeholder part per item) and decoded media."""
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        images = [obj for mod, obj in media if mod == Modality.IMAGE]
+        videos = [obj for mod, obj in media if mod == Modality.VIDEO]
+        audio = [obj for mod, obj in media if mod == Modality.AUDIO]
+        kwargs: dict[str, Any] = {"text": [text], "return_tensors": "pt"}
+        if images:
+            kwargs["images"] = [images]  # one sample holding all its images (LLaVA-OneVision counts them)
+        if videos:
+            self.processor.video_processor.videos = videos
+            kwargs["videos"] = [v.frames for v in videos]
+        if audio:
+            kwargs["audio"] = audio
+            kwargs["sampling_rate"] = self.family.audio_sample_rate_hz
+        return self.processor(**kwargs)
 
-
-def model_placeholders(model) -> dict[Modality, int]:
-    return {Modality.IMAGE: model.config.image_token_id, Modality.VIDEO: model.config.video_token_id}
+    def generate(self, messages: list[dict[str, Any]], media: list[tuple[Modality, Any]], max_new_tokens: int = 16,
+                 streamer=None) -> ReferenceOutput:  # fmt: skip
+        inputs = self.inputs(messages, media)
+        model = self.model
+        for (
+            key,
+            value,
+        ) in inputs.items():  # pixels / audio features in the model's dtype, as HF users pass them
+            if torch.is_tensor(value) and value.is_floating_point():
+                inputs[key] = value.to(model.dtype)
+        with torch.no_grad():
+            out = model.generate(
+                **inputs, max_new_tokens=max_new_tokens, do_sample=False, output_logits=True, streamer=streamer,
+                return_dict_in_generate=True, eos_token_id=None, pad_token_id=model.generation_config.pad_token_id,
+            )  # fmt: skip
+        prompt_len = inputs["input_ids"].shape[1]
+        new_tokens = out.sequences[0, prompt_len:].tolist()
+        logits = torch.cat([step.float() for step in out.logits], dim=0)
+        return ReferenceOutput(new_tokens, logits, inputs["input_ids"][0].tolist())

@@ -1,49 +1,62 @@
-"""Offline model kit: random-weight Qwen2-VL / Qwen2.5-VL checkpoints with a real tokenizer.
+"""Offline model kit: random-weight checkpoints of every model family, with a real tokenizer.
 
 Nothing here touches the network. A checkpoint is a config built from scratch, random weights, a byte-level
-BPE tokenizer trained in milliseconds on a built-in corpus (with the Qwen2-VL special tokens and chat
-template) and a PIL image processor config, all saved with `save_pretrained` so that plain transformers
-and mmserve's loader read it like a downloaded model.
+BPE tokenizer trained in milliseconds on a built-in corpus (with the family's special tokens and chat
+template) and the family's preprocessor / feature-extractor configs, all saved with `save_pretrained` so
+that plain transformers (`AutoModelForMultimodalLM`, `AutoTokenizer`, the family's PIL image processor or
+feature extractor) and mmserve's loader read it like a downloaded model.
+
+`KIT` has one entry per family of `mmserve.models.family.FAMILIES` (the CLI's `--arch` choices).
 
 Sizes:
 - `tiny`: well under 1 MB, for tests. `initializer_range=0.5` makes the model sensitive to positions and
   splices, so a wrong position id or a misplaced embedding row changes the greedy tokens.
-- `small`: realistic proportions (LM ~0.37 B, vision tower ~0.09 B) for CPU benchmarks.
+- `small`: realistic proportions (LM ~0.37 B, vision tower ~0.09 B) for CPU benchmarks (Qwen2-VL family).
 """
 
 from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
-SPECIAL_TOKENS = (
-    "<|endoftext|>",
-    "<|im_start|>",
-    "<|im_end|>",
-    "<|vision_start|>",
-    "<|vision_end|>",
-    "<|image_pad|>",
-    "<|video_pad|>",
-)
+QWEN_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+SPECIAL_TOKENS = QWEN_TOKENS + VISION_TOKENS  # the Qwen-VL families'
 
-# The Qwen2-VL chat template: one <|image_pad|> / <|video_pad|> placeholder per item, wrapped in
-# vision_start / vision_end; a default system prompt when none is given.
-CHAT_TEMPLATE = (
+_SYSTEM = (
     "{% for message in messages %}"
     "{% if loop.first and message['role'] != 'system' %}"
     "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
     "{% endif %}"
     "<|im_start|>{{ message['role'] }}\n"
     "{% if message['content'] is string %}{{ message['content'] }}"
-    "{% else %}{% for content in message['content'] %}"
-    "{% if content['type'] in ('image', 'image_url') %}<|vision_start|><|image_pad|><|vision_end|>"
-    "{% elif content['type'] in ('video', 'video_url') %}<|vision_start|><|video_pad|><|vision_end|>"
+    "{% else %}{% set ns = namespace(audio=0) %}{% for content in message['content'] %}"
+)
+_END = (
     "{% elif content['type'] == 'text' %}{{ content['text'] }}"
     "{% endif %}{% endfor %}{% endif %}"
     "<|im_end|>\n"
     "{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+# The Qwen-VL template: one <|image_pad|> / <|video_pad|> placeholder per item, wrapped in vision_start /
+# vision_end; a default system prompt when none is given.
+CHAT_TEMPLATE = (
+    _SYSTEM + "{% if content['type'] in ('image', 'image_url') %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif content['type'] in ('video', 'video_url') %}<|vision_start|><|video_pad|><|vision_end|>" + _END
+)
+# LLaVA-OneVision (Qwen2 chat format): "<image>\n" / "<video>\n" per item.
+LLAVA_TEMPLATE = (
+    _SYSTEM + "{% if content['type'] in ('image', 'image_url') %}<image>\n"
+    "{% elif content['type'] in ('video', 'video_url') %}<video>\n" + _END
+)
+# Qwen2-Audio: "Audio N: <|audio_bos|><|AUDIO|><|audio_eos|>\n" per clip.
+AUDIO_TEMPLATE = (
+    _SYSTEM
+    + "{% if content['type'] in ('audio', 'input_audio', 'audio_url') %}{% set ns.audio = ns.audio + 1 %}"
+    "Audio {{ ns.audio }}: <|audio_bos|><|AUDIO|><|audio_eos|>\n" + _END
 )
 
 _CORPUS = [
@@ -56,17 +69,22 @@ _CORPUS = [
     "Compare the two images and tell me what changed between them.",
     "The video shows a person walking through a park in the morning.",
     "Numbers: 0 1 2 3 4 5 6 7 8 9 10 100 1000. Colors: red green blue yellow black white.",
+    "Audio 1: what sound is this? A bell rings for 1.5 seconds, then <0.5 seconds> of silence.",
 ]
 
 
-@dataclass(frozen=True)
-class TinyModelSpec:
-    arch: str
-    size: str
-    seed: int = 0
+@dataclass
+class KitModel:
+    """What a kit entry gives: the HF config (special token ids from `tokenizer`), the tokenizer, and a
+    function saving the family's preprocessor / feature-extractor files into a directory."""
+
+    config: object
+    tokenizer: object
+    save_processors: Callable[[str], None] = field(default=lambda out_dir: None)
+    edit_weights: Callable[[object], None] = field(default=lambda model: None)  # after random init
 
 
-def _train_tokenizer(vocab_size: int):
+def train_tokenizer(vocab_size: int, special_tokens: tuple[str, ...], chat_template: str):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -74,100 +92,237 @@ def _train_tokenizer(vocab_size: int):
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size - len(SPECIAL_TOKENS),
+        vocab_size=vocab_size - len(special_tokens),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tok.train_from_iterator(_CORPUS * 4, trainer=trainer)
-    tok.add_special_tokens(list(SPECIAL_TOKENS))
+    tok.add_special_tokens(list(special_tokens))
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         eos_token="<|im_end|>",
         pad_token="<|endoftext|>",
-        additional_special_tokens=list(SPECIAL_TOKENS[1:]),
+        additional_special_tokens=list(special_tokens[1:]),
     )
-    fast.chat_template = CHAT_TEMPLATE
+    fast.chat_template = chat_template
     return fast
 
 
-def _text_and_vision_config(arch: str, size: str) -> tuple[dict, dict]:
+def make_tokenizer(
+    size: str, special_tokens: tuple[str, ...] = SPECIAL_TOKENS, chat_template: str = CHAT_TEMPLATE
+):
+    return train_tokenizer(384 if size == "tiny" else 8192, special_tokens, chat_template)
+
+
+def _ids(tokenizer, tokens: tuple[str, ...]) -> dict[str, int]:
+    return {t: tokenizer.convert_tokens_to_ids(t) for t in tokens}
+
+
+def _text_config(size: str, tokenizer, mrope_section: list[int] | None, **extra) -> dict:
+    ids = _ids(tokenizer, QWEN_TOKENS)
     if size == "tiny":
-        text = dict(
-            hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, initializer_range=0.5, max_position_embeddings=4096,
-            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
-        )  # fmt: skip
-        vision = dict(depth=2, num_heads=2, initializer_range=0.5)
-        width = 16
+        text = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, initializer_range=0.5, max_position_embeddings=4096)  # fmt: skip
+        rope = {"rope_type": "default", "rope_theta": 10000.0}
     elif size == "small":
-        # Qwen2-0.5B-like language model (24 layers, GQA 14/2) and a ~ViT-B vision tower.
-        text = dict(
-            hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-            num_key_value_heads=2, initializer_range=0.02, max_position_embeddings=32768,
-            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [8, 12, 12]},
-        )  # fmt: skip
-        vision = dict(depth=12, num_heads=12, initializer_range=0.02)
-        width = 768
+        # Qwen2-0.5B-like language model (24 layers, GQA 14/2).
+        text = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                    num_key_value_heads=2, initializer_range=0.02, max_position_embeddings=32768)  # fmt: skip
+        rope = {"rope_type": "default", "rope_theta": 1000000.0}
     else:
         raise ValueError(f"unknown size {size!r}: expected 'tiny' or 'small'")
-    if arch == "qwen2_vl":
-        vision.update(embed_dim=width, hidden_size=text["hidden_size"], mlp_ratio=4)
-    elif arch == "qwen2_5_vl":
-        vision.update(
-            hidden_size=width, out_hidden_size=text["hidden_size"], intermediate_size=width * 2,
-            fullatt_block_indexes=[vision["depth"] - 1], window_size=112, tokens_per_second=2,
-        )  # fmt: skip
-    else:
-        raise ValueError(f"unknown arch {arch!r}: expected 'qwen2_vl' or 'qwen2_5_vl'")
-    return text, vision
+    if mrope_section is not None:
+        # M-RoPE sections must cover half the head dim or the first forward crashes.
+        rope["mrope_section"] = mrope_section if size == "tiny" else [8, 12, 12]
+    text.update(rope_parameters=rope, vocab_size=len(tokenizer), bos_token_id=ids["<|endoftext|>"],
+                eos_token_id=ids["<|im_end|>"], **extra)  # fmt: skip
+    return text
 
 
-def make_hf_config(arch: str, size: str, tokenizer):
-    """The transformers config of a kit model whose special token ids come from `tokenizer`."""
-    from transformers import Qwen2_5_VLConfig, Qwen2VLConfig
-
-    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
-    text, vision = _text_and_vision_config(arch, size)
-    config_cls = Qwen2VLConfig if arch == "qwen2_vl" else Qwen2_5_VLConfig
-    config = config_cls(
-        text_config=dict(
-            text, vocab_size=len(tokenizer), bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"]
-        ),
-        vision_config=vision,
-        image_token_id=ids["<|image_pad|>"],
-        video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"],
-        vision_end_token_id=ids["<|vision_end|>"],
-        tie_word_embeddings=(size == "tiny"),
-    )
+def _finish(config, tokenizer):
+    ids = _ids(tokenizer, QWEN_TOKENS)
     config.eos_token_id = ids["<|im_end|>"]
     config.pad_token_id = ids["<|endoftext|>"]
     return config
 
 
-def make_tokenizer(size: str):
-    return _train_tokenizer(384 if size == "tiny" else 8192)
+# -- kit entries: one per family ------------------------------------------------------------------------
+def _qwen_vl(arch: str, size: str) -> KitModel:
+    from transformers import Qwen2_5_VLConfig, Qwen2VLConfig
 
-
-def build_tiny_model(out_dir: str, arch: str = "qwen2_vl", size: str = "tiny", seed: int = 0) -> str:
-    """Build and save a random-weight checkpoint in `out_dir`; returns `out_dir`. Deterministic in `seed`."""
-    import torch
-    from transformers import AutoModelForImageTextToText
-
-    from mmserve.multimodal.processors.qwen2_vl import make_image_processor
+    from mmserve.models.qwen2_vl import make_image_processor
 
     tokenizer = make_tokenizer(size)
-    config = make_hf_config(arch, size, tokenizer)
+    ids = _ids(tokenizer, SPECIAL_TOKENS)
+    text = _text_config(size, tokenizer, [2, 3, 3])
+    width = 16 if size == "tiny" else 768
+    vision = dict(depth=2, num_heads=2, initializer_range=0.5) if size == "tiny" else \
+        dict(depth=12, num_heads=12, initializer_range=0.02)  # ~ViT-B  # fmt: skip
+    if arch == "qwen2_vl":
+        vision.update(embed_dim=width, hidden_size=text["hidden_size"], mlp_ratio=4)
+        config_cls = Qwen2VLConfig
+    else:
+        vision.update(hidden_size=width, out_hidden_size=text["hidden_size"], intermediate_size=width * 2,
+                      fullatt_block_indexes=[vision["depth"] - 1], window_size=112, tokens_per_second=2)  # fmt: skip
+        config_cls = Qwen2_5_VLConfig
+    config = config_cls(
+        text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"], tie_word_embeddings=(size == "tiny"),
+    )  # fmt: skip
+    return KitModel(
+        _finish(config, tokenizer), tokenizer, lambda d: make_image_processor().save_pretrained(d)
+    )
+
+
+def _qwen3_vl(size: str) -> KitModel:
+    from transformers import Qwen2VLImageProcessorPil, Qwen3VLConfig
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
+
+    _tiny_only("qwen3_vl", size)
+    tokenizer = make_tokenizer(size)
+    ids = _ids(tokenizer, SPECIAL_TOKENS)
+    # Three decoder layers and DeepStack into the first two: dropping the features or shifting them by a
+    # layer changes the tokens (a negative control).
+    text = _text_config(size, tokenizer, [2, 3, 3], head_dim=16, num_hidden_layers=3)
+    text["rope_parameters"]["mrope_interleaved"] = True
+    vision = dict(depth=3, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=16, spatial_merge_size=2,
+                  temporal_patch_size=2, out_hidden_size=text["hidden_size"], num_position_embeddings=64,
+                  deepstack_visual_indexes=[0, 1], initializer_range=0.5)  # fmt: skip
+    config = Qwen3VLConfig(
+        text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"], tie_word_embeddings=True,
+    )  # fmt: skip
+    norm = dict(patch_size=16, temporal_patch_size=2, merge_size=2, image_mean=[0.5] * 3, image_std=[0.5] * 3)
+
+    def save(out_dir: str) -> None:
+        Qwen2VLImageProcessorPil(
+            size={"shortest_edge": 32 * 32, "longest_edge": 256 * 32 * 32}, **norm
+        ).save_pretrained(out_dir)
+        Qwen3VLVideoProcessor(
+            size={"shortest_edge": 4 * 32 * 32, "longest_edge": 64 * 32 * 32}, **norm
+        ).save_pretrained(out_dir)
+
+    def louder_deepstack(model) -> None:
+        # With the random init, the decoder's residual stream dwarfs the DeepStack levels and the greedy tokens
+        # hardly depend on them; scaled up, dropping or moving them changes the tokens (negative controls).
+        import torch
+
+        with torch.no_grad():
+            for merger in model.model.visual.deepstack_merger_list:
+                merger.linear_fc2.weight.mul_(4.0)
+
+    return KitModel(_finish(config, tokenizer), tokenizer, save, louder_deepstack)
+
+
+LLAVA_TOKENS = QWEN_TOKENS + ("<image>", "<video>")
+LLAVA_PINPOINTS = [[32, 32], [32, 64], [64, 32], [64, 64], [32, 96], [96, 32]]
+
+
+def _llava_onevision(size: str) -> KitModel:
+    from transformers import LlavaOnevisionConfig, LlavaOnevisionImageProcessorPil
+
+    _tiny_only("llava_onevision", size)
+    tokenizer = make_tokenizer(size, LLAVA_TOKENS, LLAVA_TEMPLATE)
+    ids = _ids(tokenizer, LLAVA_TOKENS)
+    text = _text_config(size, tokenizer, None, model_type="qwen2")
+    # SigLIP tiles of 32x32 pixels in 8x8 patches: 16 tokens per tile.
+    vision = dict(model_type="siglip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=2, image_size=32, patch_size=8)  # fmt: skip
+    config = LlavaOnevisionConfig(
+        text_config=text, vision_config=vision, image_token_id=ids["<image>"], video_token_id=ids["<video>"],
+        vision_feature_layer=-1, vision_feature_select_strategy="full", image_grid_pinpoints=LLAVA_PINPOINTS,
+        vision_aspect_ratio="anyres_max_9", tie_word_embeddings=True,
+    )  # fmt: skip
+
+    def save(out_dir: str) -> None:
+        LlavaOnevisionImageProcessorPil(size={"height": 32, "width": 32}, image_grid_pinpoints=LLAVA_PINPOINTS,
+                                        crop_size={"height": 32, "width": 32}).save_pretrained(out_dir)  # fmt: skip
+        # HF's video processor needs torchvision to be built, so write its config as HF saves it.
+        video = {"video_processor_type": "LlavaOnevisionVideoProcessor", "size": {"height": 32, "width": 32},
+                 "do_resize": True, "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True,
+                 "image_mean": [0.48145466, 0.4578275, 0.40821073], "image_std": [0.26862954, 0.26130258, 0.27577711],
+                 "resample": 3, "do_convert_rgb": True, "do_sample_frames": False}  # fmt: skip
+        _write_json(out_dir, "video_preprocessor_config.json", video)
+        _write_json(out_dir, "processor_config.json", {"processor_class": "LlavaOnevisionProcessor",
+                                                       "num_image_tokens": 16, "vision_feature_select_strategy": "full",
+                                                       "vision_aspect_ratio": "anyres_max_9"})  # fmt: skip
+
+    return KitModel(_finish(config, tokenizer), tokenizer, save)
+
+
+AUDIO_TOKENS = QWEN_TOKENS + ("<|AUDIO|>", "<|audio_bos|>", "<|audio_eos|>")
+
+
+def _qwen2_audio(size: str) -> KitModel:
+    from transformers import Qwen2AudioConfig, WhisperFeatureExtractor
+
+    _tiny_only("qwen2_audio", size)
+    tokenizer = make_tokenizer(size, AUDIO_TOKENS, AUDIO_TEMPLATE)
+    ids = _ids(tokenizer, AUDIO_TOKENS)
+    text = _text_config(size, tokenizer, None, model_type="qwen2")
+    # 16 mel bins, 2-second windows (200 frames at a 10 ms hop): one second of audio is 25 LM tokens.
+    audio = dict(d_model=32, encoder_layers=2, encoder_attention_heads=2, encoder_ffn_dim=64, num_mel_bins=16,
+                 max_source_positions=100, initializer_range=0.5)  # fmt: skip
+    config = Qwen2AudioConfig(text_config=text, audio_config=audio, audio_token_index=ids["<|AUDIO|>"],
+                              tie_word_embeddings=True)  # fmt: skip
+
+    def save(out_dir: str) -> None:
+        WhisperFeatureExtractor(feature_size=16, sampling_rate=16000, hop_length=160, chunk_length=2,
+                                n_fft=400).save_pretrained(out_dir)  # fmt: skip
+
+    return KitModel(_finish(config, tokenizer), tokenizer, save)
+
+
+KIT: dict[str, Callable[[str], KitModel]] = {
+    "qwen2_vl": lambda size: _qwen_vl("qwen2_vl", size),
+    "qwen2_5_vl": lambda size: _qwen_vl("qwen2_5_vl", size),
+    "qwen3_vl": _qwen3_vl,
+    "llava_onevision": _llava_onevision,
+    "qwen2_audio": _qwen2_audio,
+}
+
+
+def _tiny_only(arch: str, size: str) -> None:
+    if size != "tiny":
+        raise ValueError(f"the kit builds {arch} in size 'tiny' only")
+
+
+def _write_json(out_dir: str, name: str, value: dict) -> None:
+    with open(os.path.join(out_dir, name), "w") as f:
+        json.dump(value, f, indent=2)
+
+
+def make_hf_config(arch: str, size: str):
+    """The transformers config of a kit model."""
+    return KIT[arch](size).config
+
+
+def build_tiny_model(out_dir: str, arch: str = "qwen2_vl", size: str = "tiny", seed: int = 0,
+                     edit_config: Callable[[object], None] | None = None) -> str:  # fmt: skip
+    """Build and save a random-weight checkpoint in `out_dir`; returns `out_dir`. Deterministic in `seed`.
+    `edit_config` may change the HF config first (tests build "another model" of the same family)."""
+    import torch
+    from transformers import AutoModelForMultimodalLM
+
+    from mmserve.models.family import FAMILIES
+
+    if arch not in KIT or arch not in FAMILIES:
+        raise ValueError(f"unknown arch {arch!r}; the kit builds {sorted(KIT)}")
+    kit = KIT[arch](size)
+    if edit_config is not None:
+        edit_config(kit.config)
     torch.manual_seed(seed)
-    model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
-    model.generation_config.eos_token_id = config.eos_token_id
-    model.generation_config.pad_token_id = config.pad_token_id
+    model = AutoModelForMultimodalLM.from_config(kit.config, dtype=torch.float32)
+    kit.edit_weights(model)
+    model.generation_config.eos_token_id = kit.config.eos_token_id
+    model.generation_config.pad_token_id = kit.config.pad_token_id
     os.makedirs(out_dir, exist_ok=True)
     model.save_pretrained(out_dir)
-    tokenizer.save_pretrained(out_dir)
-    make_image_processor().save_pretrained(out_dir)
-    with open(os.path.join(out_dir, "mmserve_kit.json"), "w") as f:
-        json.dump({"arch": arch, "size": size, "seed": seed}, f)
+    kit.tokenizer.save_pretrained(out_dir)
+    kit.save_processors(out_dir)
+    _write_json(out_dir, "mmserve_kit.json", {"arch": arch, "size": size, "seed": seed})
     return out_dir
 
 

@@ -6,26 +6,31 @@ guessing; nothing here can carry code (no pickle).
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 
-SCHEMA_VERSION = 1
+from mmserve.engine.sampling_params import SamplingParams
+
+SCHEMA_VERSION = 2
+
+
+class Failure(msgspec.Struct, frozen=True):
+    """Why something failed, as the client will see it: the one error shape on every boundary (engine
+    messages, embedding parts, the receiver, the dispatcher); the API server turns it into an HTTP error."""
+
+    status: int  # HTTP status: 400 bad media, 413 too large, 500 internal, 502/503/504 upstream trouble
+    code: str
+    message: str
 
 
 class MediaItemMsg(msgspec.Struct, frozen=True):
     modality: str  # "image" | "video" | "audio"
     url: str | None = None  # http(s) / data: / file://
     data: bytes | None = None  # raw bytes given in-process
-
-
-class SamplingMsg(msgspec.Struct, frozen=True):
-    max_tokens: int | None  # None: up to the context length (and the KV capacity)
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    seed: int | None = None
-    stop_token_ids: list[int] = []
-    ignore_eos: bool = False
+    # Per-item processing settings the model family derives from the whole request (e.g. LLaVA-OneVision
+    # tiles an image only when it is the request's only image); they enter the item's content hash.
+    settings: dict[str, Any] = {}
 
 
 # -- API server -> engine ------------------------------------------------------------------------
@@ -33,7 +38,7 @@ class GenerateReq(msgspec.Struct, tag="generate"):
     request_id: str
     prompt_token_ids: list[int]  # one placeholder token per media item
     media: list[MediaItemMsg]
-    sampling: SamplingMsg
+    sampling: SamplingParams  # max_tokens None: up to the context length (and the KV capacity)
     num_parts: int = 0  # > 0: embeddings arrive from encoders in this many parts; 0: encode in-process
 
 
@@ -50,9 +55,7 @@ class FailReq(msgspec.Struct, tag="fail"):
     """The dispatcher gave up on a request's encoding: end it with this error."""
 
     request_id: str
-    status: int
-    code: str
-    message: str
+    failure: Failure
 
 
 class AbortReq(msgspec.Struct, tag="abort"):
@@ -79,7 +82,7 @@ class ReadyMsg(msgspec.Struct, tag="ready"):
     kv_cache_bytes: int
     kv_bytes_per_token: int
     embedding_endpoint: str  # where encoders push embedding parts
-    has_vision: bool  # the engine can encode media itself (monolithic / local failover)
+    has_tower: bool  # the engine can encode media itself (monolithic / local failover)
 
 
 class AcceptedMsg(msgspec.Struct, tag="accepted"):
@@ -104,9 +107,7 @@ class TokensMsg(msgspec.Struct, tag="tokens"):
 
 class ErrorMsg(msgspec.Struct, tag="error"):
     request_id: str
-    status: int  # HTTP status the client gets
-    code: str
-    message: str
+    failure: Failure
 
 
 class StatsMsg(msgspec.Struct, tag="stats"):

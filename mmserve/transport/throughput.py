@@ -17,6 +17,7 @@ from collections.abc import Callable
 import torch
 import zmq
 
+from mmserve.multimodal.items import MAIN, ItemEmbedding, Modality
 from mmserve.transport.cluster_auth import ClusterSecret, PartVerifier
 from mmserve.transport.embedding_wire import EmbeddingItem, encode_part
 from mmserve.transport.zmq_channel import EmbeddingReceiver, EmbeddingSender
@@ -57,7 +58,7 @@ def _timed_transfers(
 
 
 def _embedding_times(ctx: zmq.Context, emb: torch.Tensor, repeats: int, signed: bool = False) -> list[float]:
-    item = EmbeddingItem(0, b"\0" * 16, "image", (1, 1, 1), 0.0, emb)
+    item = EmbeddingItem(0, ItemEmbedding(Modality.IMAGE, b"\0" * 16, {MAIN: emb}))
     secret = ClusterSecret(b"throughput-benchmark-secret") if signed else None
     receiver = EmbeddingReceiver(
         "tcp://127.0.0.1:0", ctx=ctx, verifier=PartVerifier(secret) if signed else None

@@ -1,0 +1,234 @@
+"""Model families: the one seam between generic serving code and everything model-specific.
+
+A family module (`mmserve/models/<name>.py`) owns a model family end to end: its processor (preprocess,
+placeholder expansion, token counts, the settings that enter the content hash), loading its language model
+and its tower, `encode(tower, batch)`, prompt positions (and the rope delta of decode positions), the extra
+inputs its language model takes (DeepStack and the like), and how to build Hugging Face's own processor for
+the parity oracle. Generic code (items, intake, cache, wire, runner, batcher) only calls the `ModelFamily`
+methods below and carries item metadata as opaque bytes.
+
+`FAMILIES` is the one table from HF `model_type` to the module; modules are imported on first use. The CLI's
+`--arch` choices, the offline model kit and the HF reference helper read it too. Adding a family = one file
+here, one entry in `mmserve/testing/tiny_models.py` and one line below.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    import torch
+
+from mmserve.multimodal.items import MAIN, ExpandedPrompt, ItemEmbedding, Modality, TowerInput
+
+# HF model_type -> module in mmserve.models
+FAMILIES: dict[str, str] = {
+    "qwen2_vl": "qwen2_vl",
+    "qwen2_5_vl": "qwen2_vl",
+    "qwen3_vl": "qwen3_vl",
+    "llava_onevision": "llava_onevision",
+    "qwen2_audio": "qwen2_audio",
+}
+
+
+class EmbeddingMismatch(ValueError):
+    """An item embedding does not fit this model (another hidden size, a missing extra, wrong row count):
+    typically an encoder serving another model. Ends only the request that carries it."""
+
+
+@dataclass
+class LanguageModel:
+    """The decoder stack and the output head: everything the engine runs."""
+
+    model: torch.nn.Module  # HF text model: embed_tokens, layers, norm, rotary_emb
+    lm_head: torch.nn.Linear
+
+
+class ModelFamily(Protocol):
+    """One checkpoint's model-specific behaviour. Built by `load_family`; cheap (reads configs, no weights).
+
+    Thread-safety: every method may be called from several threads at once (encoder job threads, the
+    engine loop); implementations keep no mutable state after construction.
+    """
+
+    model_type: str
+    modalities: frozenset[Modality]  # media the towers accept
+    hidden_size: int  # rows of every embedding tensor are this wide (extras may differ, see extra_dims)
+    extra_dims: dict[str, int]  # name -> width of every row-aligned extra tensor each item carries
+    position_rows: int  # 3 for M-RoPE position ids (3, T), 1 for plain RoPE (T,)
+    audio_sample_rate_hz: int | None  # the rate audio is decoded at, for audio families
+
+    # -- processor ------------------------------------------------------------------------------------
+    def item_settings(self, modalities: Sequence[Modality]) -> list[dict[str, Any]]:
+        """Per-item processing settings that depend on the whole request (one dict per item, usually
+        empty). They travel with each item to its encoder and enter its content hash."""
+        ...
+
+    def hash_settings(self, modality: Modality, settings: Mapping[str, Any]) -> dict[str, Any]:
+        """Every preprocessing setting that changes this item's embedding (enters the content hash).
+        Raises MediaError (400) for unknown `settings`."""
+        ...
+
+    def process(self, modality: Modality, media: Any, settings: Mapping[str, Any]) -> TowerInput:
+        """Tower input for one decoded item (PIL image, DecodedVideo, float32 audio samples). Raises
+        MediaError subclasses (400) for media the model cannot take."""
+        ...
+
+    def input_pixels(self, modality: Modality, metadata: bytes) -> int:
+        """Model-input pixels of an item (its frames' resized pixels), for --max-mm-pixels-per-prompt; 0 for
+        audio."""
+        ...
+
+    def check_item(self, item: ItemEmbedding) -> None:
+        """Raises EmbeddingMismatch unless `item` fits this model: hidden size, dtype, rows for its metadata,
+        the extras every item must carry."""
+        ...
+
+    def expand(self, token_ids: list[int], items: list[Any]) -> ExpandedPrompt:
+        """Replace the k-th placeholder of each modality by the k-th item of that modality; sets each
+        item's offset and span. Raises ValueError when placeholders and items do not match."""
+        ...
+
+    def positions(self, expanded: ExpandedPrompt) -> tuple[torch.Tensor, int]:
+        """Position ids `(position_rows, L)` of the whole prompt and the rope delta: decode position of
+        sequence index `i >= L` is `i + delta` on every row."""
+        ...
+
+    def probe_item(self) -> tuple[Modality, Any]:
+        """A tiny decoded item of this family's main modality for encoder health probes."""
+        ...
+
+    # -- weights and forward --------------------------------------------------------------------------
+    def load_language_model(self, dtype: torch.dtype, attn_implementation: str) -> LanguageModel:
+        """Only the language model and its head (no tower weights are read)."""
+        ...
+
+    def load_tower(self, dtype: torch.dtype) -> torch.nn.Module:
+        """Only the tower(s) and projector(s) (no language-model weights are read)."""
+        ...
+
+    def encode(self, tower: torch.nn.Module, batch: list[TowerInput]) -> list[dict[str, torch.Tensor]]:
+        """One fused forward over `batch`; per item its tensors: MAIN `(num_tokens, hidden)` and the
+        extras named in `extra_dims`, each with its own storage (they live on in caches)."""
+        ...
+
+    def lm_inputs(
+        self, num_tokens: int, positions: torch.Tensor, rows: dict[str, torch.Tensor]
+    ) -> dict[str, Any]:
+        """Extra keyword arguments of the language model for one packed forward of `num_tokens` rows:
+        `positions` (int64, increasing) are the packed rows holding item rows with extras, `rows[name]` those
+        extras in the same order. Called only for families with extras and batches that hold some."""
+        ...
+
+
+def family_module(model_type: str) -> ModuleType:
+    if model_type not in FAMILIES:
+        raise ValueError(f"unsupported model_type {model_type!r}; supported: {sorted(FAMILIES)}")
+    return importlib.import_module(f"mmserve.models.{FAMILIES[model_type]}")
+
+
+def load_family(
+    path: str, hf_config=None, mm_processor_kwargs: Mapping[str, Any] | None = None
+) -> ModelFamily:
+    """The family of the checkpoint in `path` (a local directory), configured from its files."""
+    if hf_config is None:
+        from mmserve.models.loader import load_hf_config
+
+        hf_config = load_hf_config(path)
+    module = family_module(hf_config.model_type)
+    return module.Family(path, hf_config, dict(mm_processor_kwargs or {}))
+
+
+def check_tensors(family: ModelFamily, item: ItemEmbedding, expected_rows: int) -> None:
+    """The generic part of `check_item`: MAIN and exactly the family's extras, 2-D, one float dtype, the
+    family's widths, `expected_rows` rows each. Raises EmbeddingMismatch naming the first problem."""
+    where = f"{item.modality.value} embedding"
+    names = set(item.tensors)
+    wanted = {MAIN, *family.extra_dims}
+    if names != wanted:
+        missing, unexpected = sorted(wanted - names), sorted(names - wanted)
+        raise EmbeddingMismatch(f"{where} has tensors {sorted(names)}; this model needs {sorted(wanted)} "
+                                f"(missing {missing}, unexpected {unexpected})")  # fmt: skip
+    dtype = item.tensors[MAIN].dtype
+    widths = {MAIN: family.hidden_size, **family.extra_dims}
+    for name, tensor in item.tensors.items():
+        if tensor.dim() != 2 or tensor.shape[1] != widths[name]:
+            raise EmbeddingMismatch(f"{where}: tensor {name!r} has shape {tuple(tensor.shape)}; this model needs "
+                                    f"(rows, {widths[name]}) (an encoder serving another model?)")  # fmt: skip
+        if tensor.shape[0] != expected_rows:
+            raise EmbeddingMismatch(f"{where}: tensor {name!r} has {tensor.shape[0]} rows; its metadata needs "
+                                    f"{expected_rows}")  # fmt: skip
+        if tensor.dtype != dtype or not tensor.is_floating_point():
+            raise EmbeddingMismatch(f"{where}: tensor {name!r} is {tensor.dtype}, main is {dtype}")
+
+
+def expand_placeholders(
+    token_ids: list[int],
+    items: list[Any],
+    placeholders: Mapping[Modality, int],
+    render=None,
+) -> ExpandedPrompt:
+    """Replace the k-th placeholder token of each modality by the k-th item of that modality.
+
+    `render(item, placeholder_id) -> (engine_ids, hf_ids)` gives an item's expansion (default: `num_tokens`
+    pad values, and as many placeholder ids for HF); the item's span is its length. Sets offsets and spans.
+    Raises ValueError when the number of placeholders and items differ.
+    """
+    by_modality = {m: [it for it in items if it.modality == m] for m in placeholders}
+    for it in items:
+        if it.modality not in placeholders:
+            raise ValueError(f"this model takes no {it.modality.value} input")
+    remaining = {m: iter(v) for m, v in by_modality.items()}
+    counts = dict.fromkeys(placeholders, 0)
+    token_to_modality = {tid: m for m, tid in placeholders.items()}
+    engine_ids: list[int] = []
+    hf_ids: list[int] = []
+    ordered = []
+    for tid in token_ids:
+        modality = token_to_modality.get(tid)
+        if modality is None:
+            engine_ids.append(tid)
+            hf_ids.append(tid)
+            continue
+        counts[modality] += 1
+        item = next(remaining[modality], None)
+        if item is None:
+            break
+        ours, theirs = (
+            render(item, tid) if render else ([item.pad_value] * item.num_tokens, [tid] * item.num_tokens)
+        )
+        item.offset, item.span = len(engine_ids), len(ours)
+        engine_ids.extend(ours)
+        hf_ids.extend(theirs)
+        ordered.append(item)
+    for modality, expected in by_modality.items():
+        if counts[modality] != len(expected):
+            raise ValueError(
+                f"prompt has {counts[modality]} {modality.value} placeholder(s) but "
+                f"{len(expected)} {modality.value} item(s) were given"
+            )
+    return ExpandedPrompt(engine_ids, hf_ids, ordered)
+
+
+def sequential_positions(expanded: ExpandedPrompt) -> tuple[torch.Tensor, int]:
+    """Plain 1-D RoPE positions `(1, L)`: every token, item tokens included, advances by one."""
+    import torch
+
+    return torch.arange(len(expanded.token_ids)).view(1, -1), 0
+
+
+def check_pixel_limit(family: ModelFamily, items: Sequence[ItemEmbedding], limit: int | None) -> None:
+    """Raises MediaTooLargeError (413) if `items` hold more model-input pixels than `limit`
+    (--max-mm-pixels-per-prompt)."""
+    if limit is None or not items:
+        return
+    from mmserve.multimodal.errors import MediaTooLargeError
+
+    total = sum(family.input_pixels(it.modality, it.metadata) for it in items)
+    if total > limit:
+        raise MediaTooLargeError(f"the request's media are {total} pixels after resizing; this server allows "
+                                 f"at most {limit} per request (--max-mm-pixels-per-prompt)")  # fmt: skip
