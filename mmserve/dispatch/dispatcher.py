@@ -7,7 +7,7 @@ item's bytes, or its URL). `run` POSTs one `/encode` job per part and decides ea
   4xx (nothing pushed: e.g. 422 from an encoder of another version, 401 from one with another secret) fail
   the attempt like a 5xx.
 - 503 (overloaded), 5xx, connection refused, timeout: retried once on another healthy encoder; then encoded
-  by the engine itself when it has a vision tower (`LocalEncodeReq`); otherwise the request is failed with
+  by the engine itself when it has a tower (`LocalEncodeReq`); otherwise the request is failed with
   503 / 502 / 504 naming the cause (`FailReq`).
 Connection failures and timeouts count as strikes against the encoder (3 strikes: evicted until a health
 probe succeeds); an overloaded encoder is not unhealthy.

@@ -1,1 +1,1 @@
-"""Encoder: vision tower + media pipeline + embedding cache, in-process (monolithic) or as a service."""
+"""Encoder: a model family's tower + media pipeline + embedding cache, local (beside the engine) or as a service."""

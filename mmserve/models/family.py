@@ -9,7 +9,8 @@ methods below and carries item metadata as opaque bytes.
 
 `FAMILIES` is the one table from HF `model_type` to the module; modules are imported on first use. The CLI's
 `--arch` choices, the offline model kit and the HF reference helper read it too. Adding a family = one file
-here, one entry in `mmserve/testing/tiny_models.py` and one line below.
+here, one entry in `mmserve/testing/tiny_models.py`, one line below (and one line in `tests/families.py` for
+the shared test matrix); see docs/adding-a-model.md.
 """
 
 from __future__ import annotations

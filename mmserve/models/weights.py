@@ -1,6 +1,6 @@
 """Load part of a safetensors checkpoint into a module, by key prefix, failing loudly on mismatches.
 
-Used to load only the language model (language-only engines) or only the vision tower (encoder services):
+Used to load only the language model (language-only engines) or only the tower (encoder services):
 the other half's tensors are never read.
 """
 

@@ -1,1 +1,2 @@
-"""Multimodal core: items and hashing, media loading, per-family processors, embedding splice, cache."""
+"""Multimodal core: items and hashing, media loading, chat messages, embedding splice, cache. Model-specific
+preprocessing lives with each model family (mmserve.models)."""

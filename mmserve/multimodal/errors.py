@@ -59,7 +59,7 @@ class UnsupportedMediaError(MediaError):
 
 
 class EncoderUnavailableError(MediaError):
-    """No encoder can take this item: no healthy encoder service and no local vision tower (HTTP 503)."""
+    """No encoder can take this item: no healthy encoder service and no local tower (HTTP 503)."""
 
     status = 503
     code = "encoder_unavailable"

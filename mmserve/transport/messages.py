@@ -43,7 +43,7 @@ class GenerateReq(msgspec.Struct, tag="generate"):
 
 
 class LocalEncodeReq(msgspec.Struct, tag="local_encode"):
-    """Failover: encode one part of an EPD request with the engine's own vision tower."""
+    """Failover: encode one part of an EPD request with the engine's own (local) encoder."""
 
     request_id: str
     part_index: int
