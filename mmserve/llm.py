@@ -60,6 +60,7 @@ def _media_ref(value: Any) -> MediaRef:
         value.save(buf, format="PNG")
         return MediaRef.from_bytes(buf.getvalue())
     if isinstance(value, tuple) and len(value) == 2:  # audio as vLLM takes it: (samples, sample rate)
+        # Written as WAV: the encoder keys its cache on an item's bytes, and decodes / resamples them itself.
         import soundfile
 
         buf = io.BytesIO()
@@ -81,8 +82,11 @@ class LLM:
         cfg = EngineConfig(model=path, media=media, **kwargs)
         self.engine = Engine(cfg)
         # The local encoder is the engine's peer, not part of it (as in the server's engine process).
-        self.encoder = None if cfg.language_only else build_encoder(self.engine.family, cfg.dtype, cfg.device,
-                                                                    cfg.embedding_cache_mb, media)  # fmt: skip
+        self.encoder = (
+            None
+            if cfg.language_only
+            else build_encoder(self.engine.family, cfg.dtype, cfg.device, cfg.embedding_cache_mb, media)
+        )
         self.tokenizer = load_tokenizer(path)
         self._ids = itertools.count()
 

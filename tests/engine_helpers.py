@@ -109,8 +109,9 @@ class RecordingSampler(Sampler):
         return torch.stack(self.rows[id(params)])
 
 
-def reference_text(model_dir: str, max_new_tokens: int, mm_processor_kwargs: dict | None = None,
-                   dtype: str = "float32"):  # fmt: skip
+def reference_text(
+    model_dir: str, max_new_tokens: int, mm_processor_kwargs: dict | None = None, dtype: str = "float32"
+):
     """A function: Case -> the HF reference's greedy text (special tokens skipped, as the server answers)."""
     ref = HFReference(model_dir, dtype=dtype, mm_processor_kwargs=mm_processor_kwargs)
     return lambda case, max_new=max_new_tokens: ref.tokenizer.decode(
@@ -139,7 +140,9 @@ def audio_case(seeds: list[int], text: str, seconds: list[float] | None = None) 
 
     seconds = seconds or [0.6] * len(seeds)
     clips = [wav_bytes(s, sec) for s, sec in zip(seeds, seconds, strict=True)]
-    parts = [{"type": "input_audio", "input_audio": {"data": base64.b64encode(c).decode(), "format": "wav"}}
-             for c in clips]  # fmt: skip
+    parts = [
+        {"type": "input_audio", "input_audio": {"data": base64.b64encode(c).decode(), "format": "wav"}}
+        for c in clips
+    ]
     messages = [{"role": "user", "content": [*parts, {"type": "text", "text": text}]}]
     return Case(messages, [(Modality.AUDIO, decode_audio(c, _media_cfg())) for c in clips])

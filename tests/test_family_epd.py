@@ -7,7 +7,6 @@ requests complete with the right tokens."""
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import json
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -54,8 +53,11 @@ def epd(request, tiny_model, logs):
     """(arch, model dir, a language-only server with two encoder workers, round robin)."""
     arch = request.param
     model_dir = tiny_model(arch)
-    server = start_server(model_dir, *server_args(arch, "--language-only", "--encoder-workers", "2",
-                                                  "--encoder-routing", "round_robin"), log_dir=logs)  # fmt: skip
+    server = start_server(
+        model_dir,
+        *server_args(arch, "--language-only", "--encoder-workers", "2", "--encoder-routing", "round_robin"),
+        log_dir=logs,
+    )
     yield arch, model_dir, server
     assert server.stop() == 0
 
@@ -92,8 +94,11 @@ def test_bad_media_over_epd_gets_a_clear_4xx(epd):
 def test_epd_bfloat16_matches_hf_bfloat16(arch, tiny_model, logs):
     model_dir, spec = tiny_model(arch), FAMILIES[arch]
     expected = reference_text(model_dir, MAX_NEW, spec.mm_kwargs, dtype="bfloat16")
-    server = start_server(model_dir, *server_args(arch, "--dtype", "bfloat16", "--language-only",
-                                                  "--encoder-workers", "1"), log_dir=logs)  # fmt: skip
+    server = start_server(
+        model_dir,
+        *server_args(arch, "--dtype", "bfloat16", "--language-only", "--encoder-workers", "1"),
+        log_dir=logs,
+    )
     try:
         case = spec.two([70, 71])
         assert content(chat(server.url, case)) == expected(case)
@@ -110,12 +115,20 @@ def run_mixed(url: str, good_and_bad: list, texts: list) -> tuple[list, list]:
         return [f.result(timeout=180) for f in media], [f.result(timeout=180) for f in plain]
 
 
-def check_isolation(url: str, arch: str, model_dir: str, cases: list, bad_words: list[str]) -> None:
-    """Each media request either ends with a 502 `bad_embedding` naming the problem, or equals HF; at least
-    one of each; every concurrent text request equals HF; the engine stays sound."""
+def check_isolation(epd, foreign_url: str, first_seed: int, bad_words: list[str]) -> None:
+    """With the foreign encoder registered beside the server's two workers (round robin), 9 image requests
+    and 4 text requests at once: each image request either ends with a 502 `bad_embedding` naming the
+    problem, or equals HF; at least one of each; every text request equals HF; the engine stays sound."""
+    arch, model_dir, server = epd
+    url = server.url
     expected = reference_text(model_dir, MAX_NEW, FAMILIES[arch].mm_kwargs)
+    cases = [image_case([first_seed + i], f"Picture {i}.") for i in range(9)]
     texts = [text_case(f"Tell me about number {i}.") for i in range(4)]
-    media, plain = run_mixed(url, cases, texts)
+    assert httpx.post(url + "/register_encoder", json={"url": foreign_url}, timeout=10).status_code == 200
+    try:
+        media, plain = run_mixed(url, cases, texts)
+    finally:
+        httpx.post(url + "/unregister_encoder", json={"url": foreign_url}, timeout=10)
     bad = [r for r in media if r.status_code != 200]
     assert bad and len(bad) < len(media), [r.status_code for r in media]
     for r in bad:
@@ -130,22 +143,11 @@ def check_isolation(url: str, arch: str, model_dir: str, cases: list, bad_words:
     assert settled_integrity(url)["status"] == "ok"
 
 
-@contextlib.contextmanager
-def registered(server_url: str, encoder_url: str):
-    """`encoder_url` registered with the server (POST /register_encoder), unregistered afterwards."""
-    r = httpx.post(server_url + "/register_encoder", json={"url": encoder_url}, timeout=10)
-    assert r.status_code == 200, r.text
-    try:
-        yield
-    finally:
-        httpx.post(server_url + "/unregister_encoder", json={"url": encoder_url}, timeout=10)
-
-
 def test_encoder_of_another_model_fails_only_its_requests(epd, tmp_path, logs):
     """An encoder serving another checkpoint (the same patch settings, another hidden size) joins the pool:
     the engine refuses its embeddings at admission (before they could fail a whole batch), that request alone
     gets 502, and everything else is served right."""
-    arch, model_dir, server = epd
+    arch, _, _ = epd
     if arch != "qwen2_5_vl":
         pytest.skip("one family is enough: the check is generic")
 
@@ -158,11 +160,7 @@ def test_encoder_of_another_model_fails_only_its_requests(epd, tmp_path, logs):
     other = build_tiny_model(str(tmp_path / "other"), "qwen2_vl", edit_config=narrower)
     bad = start_encoder(other, "--mm-processor-kwargs", json.dumps(FAMILIES[arch].mm_kwargs), log_dir=logs)
     try:
-        with registered(server.url, bad.url):
-            cases = [image_case([80 + i], f"Picture {i}.") for i in range(9)]
-            check_isolation(
-                server.url, arch, model_dir, cases, ["does not fit this model", "(rows, 64)", bad.url]
-            )
+        check_isolation(epd, bad.url, 80, ["does not fit this model", "(rows, 64)", bad.url])
     finally:
         bad.stop()
 
@@ -198,8 +196,11 @@ class DeepStackDroppingEncoder:
                 MediaInput(Modality(it["modality"]), MediaRef.parse(it["url"]), it["settings"])
             )
             tensors = {k: v for k, v in enc.tensors.items() if k != self.drop}
-            items.append(EmbeddingItem(it["item_index"], ItemEmbedding(enc.modality, enc.content_hash, tensors,
-                                                                       enc.metadata)))  # fmt: skip
+            items.append(
+                EmbeddingItem(
+                    it["item_index"], ItemEmbedding(enc.modality, enc.content_hash, tensors, enc.metadata)
+                )
+            )
         frames = encode_part(job["request_id"], job["part_index"], job["num_parts"], self.url, items)
         self.sender.send(job["reply_endpoint"], frames)
 
@@ -235,15 +236,11 @@ class DeepStackDroppingEncoder:
 
 
 def test_part_missing_a_deepstack_level_fails_only_its_request(epd):
-    arch, model_dir, server = epd
+    arch, model_dir, _ = epd
     if arch != "qwen3_vl":
         pytest.skip("DeepStack is Qwen3-VL's")
     fake = DeepStackDroppingEncoder(model_dir)
     try:
-        with registered(server.url, fake.url):
-            cases = [image_case([90 + i], f"Picture {i}.") for i in range(9)]
-            check_isolation(
-                server.url, arch, model_dir, cases, ["does not fit this model", "deepstack.1", fake.url]
-            )
+        check_isolation(epd, fake.url, 90, ["does not fit this model", "deepstack.1", fake.url])
     finally:
         fake.close()

@@ -80,12 +80,19 @@ def reference(model_dir):
 CASES = {
     "text": ([], "Describe the image in one sentence."),
     "image": ([(Modality.IMAGE, png_bytes(random_image(1, 64, 48)))], "What is in this picture?"),
-    "two_images": ([(Modality.IMAGE, png_bytes(random_image(2, 50, 30))),
-                    (Modality.IMAGE, png_bytes(random_image(3, 20, 70)))], "Compare the two images."),
+    "two_images": (
+        [
+            (Modality.IMAGE, png_bytes(random_image(2, 50, 30))),
+            (Modality.IMAGE, png_bytes(random_image(3, 20, 70))),
+        ],
+        "Compare the two images.",
+    ),
     "video": ([(Modality.VIDEO, mp4_bytes(4))], "The video shows"),
-    "image_video": ([(Modality.IMAGE, png_bytes(random_image(5, 40, 90))), (Modality.VIDEO, mp4_bytes(6))],
-                    "Numbers"),
-}  # fmt: skip
+    "image_video": (
+        [(Modality.IMAGE, png_bytes(random_image(5, 40, 90))), (Modality.VIDEO, mp4_bytes(6))],
+        "Numbers",
+    ),
+}
 
 
 @pytest.fixture(scope="module")
@@ -190,8 +197,11 @@ def test_settings_enter_the_hash_and_unknown_ones_are_refused(family):
     assert tiled != family.hash_settings(Modality.IMAGE, {"anyres": False})
     assert tiled["image_grid_pinpoints"] and tiled["vision_feature_layer"] == -1
     json.dumps(tiled)  # plain data
-    for modality, bad in [(Modality.IMAGE, {"anyres": 1}), (Modality.IMAGE, {"tiles": 4}),
-                          (Modality.VIDEO, {"anyres": True})]:  # fmt: skip
+    for modality, bad in [
+        (Modality.IMAGE, {"anyres": 1}),
+        (Modality.IMAGE, {"tiles": 4}),
+        (Modality.VIDEO, {"anyres": True}),
+    ]:
         with pytest.raises(UnsupportedMediaError):
             family.hash_settings(modality, bad)
         with pytest.raises(UnsupportedMediaError):
@@ -202,9 +212,11 @@ def mixed_batch(family) -> list:
     video = DecodedVideo(
         (np.random.RandomState(1).rand(2, 40, 40, 3) * 255).astype("uint8"), 2.0, 1.0, (0.0, 0.5)
     )
-    return [family.process(Modality.IMAGE, random_image(12, 64, 48), {"anyres": True}),
-            family.process(Modality.VIDEO, video, {}),
-            family.process(Modality.IMAGE, random_image(13, 20, 70), {"anyres": False})]  # fmt: skip
+    return [
+        family.process(Modality.IMAGE, random_image(12, 64, 48), {"anyres": True}),
+        family.process(Modality.VIDEO, video, {}),
+        family.process(Modality.IMAGE, random_image(13, 20, 70), {"anyres": False}),
+    ]
 
 
 def hf_features(model, item) -> torch.Tensor:
@@ -257,13 +269,21 @@ def test_both_checkpoint_layouts_load_the_same_weights(model_dir, tmp_path):
     saved = load_file(os.path.join(model_dir, "model.safetensors"))
     head = torch.randn_like(saved["language_model.model.embed_tokens.weight"])
     layouts = {
-        "new": {"language_model.model.": "model.language_model.", "vision_tower.": "model.vision_tower.",
-                "multi_modal_projector.": "model.multi_modal_projector.", "image_newline": "model.image_newline",
-                "lm_head.": "lm_head."},
-        "old": {"language_model.model.": "language_model.model.", "vision_tower.": "vision_tower.vision_model.",
-                "multi_modal_projector.": "multi_modal_projector.", "image_newline": "image_newline",
-                "lm_head.": "language_model.lm_head."},
-    }  # fmt: skip
+        "new": {
+            "language_model.model.": "model.language_model.",
+            "vision_tower.": "model.vision_tower.",
+            "multi_modal_projector.": "model.multi_modal_projector.",
+            "image_newline": "model.image_newline",
+            "lm_head.": "lm_head.",
+        },
+        "old": {
+            "language_model.model.": "language_model.model.",
+            "vision_tower.": "vision_tower.vision_model.",
+            "multi_modal_projector.": "multi_modal_projector.",
+            "image_newline": "image_newline",
+            "lm_head.": "language_model.lm_head.",
+        },
+    }
     loaded = {}
     for name, renames in layouts.items():
         out = str(tmp_path / name)

@@ -161,16 +161,23 @@ def test_audio_url_part():
 def test_tower_and_language_model_load_from_either_layout_alone(family, model_dir, tmp_path):
     """v5 key layout, and each half loads from a checkpoint that lacks the other half."""
     legacy = load_file(os.path.join(model_dir, "model.safetensors"))
-    renames = [("audio_tower.", "model.audio_tower."), ("multi_modal_projector.", "model.multi_modal_projector."),
-               ("language_model.model.", "model.language_model."), ("language_model.lm_head.", "lm_head.")]  # fmt: skip
+    renames = [
+        ("audio_tower.", "model.audio_tower."),
+        ("multi_modal_projector.", "model.multi_modal_projector."),
+        ("language_model.model.", "model.language_model."),
+        ("language_model.lm_head.", "lm_head."),
+    ]
 
     def new_key(key: str) -> str:
         return next(new + key[len(old) :] for old, new in renames if key.startswith(old))
 
     v5 = {new_key(k): v for k, v in legacy.items()}
     tower_ref, lm_ref = family.load_tower(torch.float32), family.load_language_model(torch.float32, "sdpa")
-    for name, keep in (("tower_only", ("model.audio_tower.", "model.multi_modal_projector.")),
-                       ("lm_only", ("model.language_model.", "lm_head.")), ("both", ("",))):  # fmt: skip
+    for name, keep in (
+        ("tower_only", ("model.audio_tower.", "model.multi_modal_projector.")),
+        ("lm_only", ("model.language_model.", "lm_head.")),
+        ("both", ("",)),
+    ):
         d = tmp_path / name
         shutil.copytree(model_dir, d)
         save_file({k: v for k, v in v5.items() if k.startswith(keep)}, str(d / "model.safetensors"))
@@ -204,8 +211,10 @@ def test_batched_encode_equals_one_at_a_time(family, model_dir, expected):
     template = parse_messages(conversation(clips, text))[0]
     prompt = llm.tokenizer.apply_chat_template(template, add_generation_prompt=True, tokenize=False)
     ids = llm.tokenizer(prompt, add_special_tokens=False)["input_ids"]
-    embeddings = [ItemEmbedding(Modality.AUDIO, bytes([i]) * 16, b, it.metadata)
-                  for i, (b, it) in enumerate(zip(batched, items, strict=True))]  # fmt: skip
+    embeddings = [
+        ItemEmbedding(Modality.AUDIO, bytes([i]) * 16, b, it.metadata)
+        for i, (b, it) in enumerate(zip(batched, items, strict=True))
+    ]
     req = llm.engine.add_request("batched", ids, greedy(), embeddings)
     while llm.engine.has_work:
         llm.engine.step()

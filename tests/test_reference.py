@@ -8,8 +8,13 @@ from mmserve.testing.reference import HFReference
 from tests.engine_helpers import reference
 from tests.families import FAMILIES
 
-HF_PROCESSORS = {"qwen2_vl": "Qwen2VLProcessor", "qwen2_5_vl": "Qwen2_5_VLProcessor", "qwen3_vl": "Qwen3VLProcessor",
-                 "llava_onevision": "LlavaOnevisionProcessor", "qwen2_audio": "Qwen2AudioProcessor"}  # fmt: skip
+HF_PROCESSORS = {
+    "qwen2_vl": "Qwen2VLProcessor",
+    "qwen2_5_vl": "Qwen2_5_VLProcessor",
+    "qwen3_vl": "Qwen3VLProcessor",
+    "llava_onevision": "LlavaOnevisionProcessor",
+    "qwen2_audio": "Qwen2AudioProcessor",
+}
 
 
 @pytest.mark.parametrize("arch", sorted(FAMILIES))

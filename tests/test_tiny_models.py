@@ -17,8 +17,13 @@ from mmserve.models.loader import load_model_config, resolve_model_path
 from mmserve.testing.tiny_models import KIT, ensure_tiny_model, make_hf_config
 
 ARCHS = sorted(KIT)
-PLACEHOLDERS = {"qwen2_vl": "<|image_pad|>", "qwen2_5_vl": "<|image_pad|>", "qwen3_vl": "<|image_pad|>",
-                "llava_onevision": "<image>", "qwen2_audio": "<|AUDIO|>"}  # fmt: skip
+PLACEHOLDERS = {
+    "qwen2_vl": "<|image_pad|>",
+    "qwen2_5_vl": "<|image_pad|>",
+    "qwen3_vl": "<|image_pad|>",
+    "llava_onevision": "<image>",
+    "qwen2_audio": "<|AUDIO|>",
+}
 
 
 def test_kit_covers_the_family_table():
@@ -121,6 +126,10 @@ def test_cli_make_tiny_model(tmp_path):
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     assert AutoModelForImageTextToText.from_pretrained(out).config.model_type == "qwen3_vl"
-    helptext = subprocess.run([sys.executable, "-m", "mmserve.cli", "make-tiny-model", "--help"],
-                              capture_output=True, text=True, timeout=60).stdout  # fmt: skip
+    helptext = subprocess.run(
+        [sys.executable, "-m", "mmserve.cli", "make-tiny-model", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    ).stdout
     assert all(arch in helptext for arch in FAMILIES)  # --arch choices come from the family table

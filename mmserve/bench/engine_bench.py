@@ -93,9 +93,12 @@ def decode_rate(llm, images: list[Image.Image], output_tokens: int) -> float:
         template, media = parse_messages(chat_messages(image))
         text = llm.tokenizer.apply_chat_template(template, add_generation_prompt=True, tokenize=False)
         ids = llm.tokenizer(text, add_special_tokens=False)["input_ids"]
-        engine.add_request(f"decode-rate-{time.monotonic_ns()}-{i}", ids,
-                           SamplingParams(temperature=0, max_tokens=output_tokens, ignore_eos=True),
-                           llm.encode(media)[0])  # fmt: skip
+        engine.add_request(
+            f"decode-rate-{time.monotonic_ns()}-{i}",
+            ids,
+            SamplingParams(temperature=0, max_tokens=output_tokens, ignore_eos=True),
+            llm.encode(media)[0],
+        )
     while any(r.is_prefill for r in engine.scheduler.running) or engine.scheduler.waiting:
         engine.step()
     start, tokens = time.perf_counter(), 0

@@ -62,6 +62,15 @@ class HFBaseline:
         clock = _TokenClock()
         out = self.reference.generate(template, media, max_new_tokens=req.max_tokens, streamer=clock)
         end = time.perf_counter()
-        return RequestTrace(index=req.index, start=t0, first_token=clock.times[0] if clock.times else None,
-                            token_times=clock.times, end=end, status=200, output_tokens=len(out.token_ids),
-                            prompt_tokens=len(out.input_ids), cached_tokens=0, error=None)  # fmt: skip
+        return RequestTrace(
+            index=req.index,
+            start=t0,
+            first_token=clock.times[0] if clock.times else None,
+            token_times=clock.times,
+            end=end,
+            status=200,
+            output_tokens=len(out.token_ids),
+            prompt_tokens=len(out.input_ids),
+            cached_tokens=0,
+            error=None,
+        )

@@ -38,8 +38,16 @@ class Part:
 
 
 class Dispatcher:
-    def __init__(self, registry: EncoderRegistry, policy: RoutingPolicy, engine, embedding_endpoint: str,
-                 engine_has_tower: bool, attempt_timeout_s: float, headers: dict[str, str] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        registry: EncoderRegistry,
+        policy: RoutingPolicy,
+        engine,
+        embedding_endpoint: str,
+        engine_has_tower: bool,
+        attempt_timeout_s: float,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         self.registry = registry
         self.policy = policy
         self.engine = engine  # EngineClient: send LocalEncodeReq / FailReq
@@ -94,13 +102,21 @@ class Dispatcher:
             await self.engine.send(m.FailReq(request_id, outcome))
         return 0
 
-    async def _attempt(self, request_id: str, media: list[m.MediaItemMsg], part: Part, num_parts: int,
-                       url: str) -> Failure | int:  # fmt: skip
+    async def _attempt(
+        self, request_id: str, media: list[m.MediaItemMsg], part: Part, num_parts: int, url: str
+    ) -> Failure | int:
         """One POST /encode. An int (cache hits) when the part is settled (delivered, or a client error the
         engine reports), else why it failed (the status is what the client gets if nothing else can encode
         the part)."""
-        items = [{"item_index": i, "modality": media[i].modality, "url": media[i].url, "settings": media[i].settings}
-                 for i in part.item_indices]  # fmt: skip
+        items = [
+            {
+                "item_index": i,
+                "modality": media[i].modality,
+                "url": media[i].url,
+                "settings": media[i].settings,
+            }
+            for i in part.item_indices
+        ]
         job = {"request_id": request_id, "part_index": part.index, "num_parts": num_parts,
                "reply_endpoint": self.embedding_endpoint, "items": items}  # fmt: skip
         self.registry.acquire(url)

@@ -33,8 +33,13 @@ class BatchStats:
 class TowerBatcher:
     """Owns the worker thread; `encode(batch)` runs on it only (the tower is never called concurrently)."""
 
-    def __init__(self, encode: EncodeFn, max_batch_items: int = 8, max_batch_wait_ms: float = 5.0,
-                 max_batch_cost: int = 65536) -> None:  # fmt: skip
+    def __init__(
+        self,
+        encode: EncodeFn,
+        max_batch_items: int = 8,
+        max_batch_wait_ms: float = 5.0,
+        max_batch_cost: int = 65536,
+    ) -> None:
         self.encode = encode
         self.max_batch_items = max_batch_items
         self.max_batch_wait_s = max_batch_wait_ms / 1000.0

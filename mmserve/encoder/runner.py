@@ -55,8 +55,9 @@ class MultimodalEncoder:
     Owns its batcher (the tower's thread) and its cache; `close` stops the batcher.
     """
 
-    def __init__(self, family: ModelFamily, batcher: TowerBatcher, cache: EmbeddingCache,
-                 media_cfg: MediaConfig) -> None:  # fmt: skip
+    def __init__(
+        self, family: ModelFamily, batcher: TowerBatcher, cache: EmbeddingCache, media_cfg: MediaConfig
+    ) -> None:
         self.family = family
         self.batcher = batcher
         self.cache = cache
@@ -133,8 +134,15 @@ class MultimodalEncoder:
         self.batcher.close()
 
 
-def build_encoder(family: ModelFamily, dtype: str, device: str, cache_mb: float, media_cfg: MediaConfig,
-                  max_batch_items: int = 1, max_batch_wait_ms: float = 0.0) -> MultimodalEncoder:  # fmt: skip
+def build_encoder(
+    family: ModelFamily,
+    dtype: str,
+    device: str,
+    cache_mb: float,
+    media_cfg: MediaConfig,
+    max_batch_items: int = 1,
+    max_batch_wait_ms: float = 0.0,
+) -> MultimodalEncoder:
     """Load the family's tower (no language-model weights) and wrap it in a batcher, a cache and media
     handling."""
     tower = family.load_tower(parse_dtype(dtype)).to(device)

@@ -64,8 +64,15 @@ class EncoderService:
     def __init__(self, cfg: EncoderConfig) -> None:
         self.cfg = cfg
         self.family = load_family(cfg.model, mm_processor_kwargs=dict(cfg.mm_processor_kwargs))
-        self.encoder = build_encoder(self.family, cfg.dtype, cfg.device, cfg.embedding_cache_mb, cfg.media,
-                                     cfg.max_batch_items, cfg.max_batch_wait_ms)  # fmt: skip
+        self.encoder = build_encoder(
+            self.family,
+            cfg.dtype,
+            cfg.device,
+            cfg.embedding_cache_mb,
+            cfg.media,
+            cfg.max_batch_items,
+            cfg.max_batch_wait_ms,
+        )
         self.batcher, self.cache = self.encoder.batcher, self.encoder.cache
         self.secret = cluster_auth.from_config(cfg.cluster_secret)
         self.sender = EmbeddingSender(cfg.send_timeout_s, signer=self.secret)

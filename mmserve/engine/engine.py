@@ -119,8 +119,10 @@ class Engine:
         positions, rope_delta = self.family.positions(expanded)
         ids = torch.tensor(expanded.token_ids, dtype=torch.int64)
         by_hash = {it.content_hash: it for it in items}
-        embeddings = [PlacedEmbedding.at(ids, it.offset, it.span, it.pad_value, by_hash[it.content_hash].tensors)
-                      for it in expanded.items]  # fmt: skip
+        embeddings = [
+            PlacedEmbedding.at(ids, it.offset, it.span, it.pad_value, by_hash[it.content_hash].tensors)
+            for it in expanded.items
+        ]
         req = Request(
             request_id, expanded.token_ids, params, items=expanded.items, embeddings=embeddings,
             positions=positions, rope_delta=rope_delta, generator=make_generator(params),

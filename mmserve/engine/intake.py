@@ -22,7 +22,7 @@ from mmserve.encoder.runner import EncodeTimings, MediaInput, MultimodalEncoder
 from mmserve.engine.engine import Engine
 from mmserve.engine.receiver import Complete, Failed, PartAssembler
 from mmserve.models.family import EmbeddingMismatch
-from mmserve.multimodal.errors import MediaError
+from mmserve.multimodal.errors import EncoderUnavailableError, MediaError
 from mmserve.multimodal.items import ItemEmbedding, Modality
 from mmserve.multimodal.media import MediaRef
 from mmserve.transport import messages as m
@@ -38,8 +38,14 @@ MEDIA_WORKERS = 4
 
 
 def media_inputs(items: list[m.MediaItemMsg]) -> list[MediaInput]:
-    return [MediaInput(Modality(it.modality), MediaRef.from_bytes(it.data) if it.data is not None
-                       else MediaRef.parse(it.url or ""), it.settings) for it in items]  # fmt: skip
+    return [
+        MediaInput(
+            Modality(it.modality),
+            MediaRef.from_bytes(it.data) if it.data is not None else MediaRef.parse(it.url or ""),
+            it.settings,
+        )
+        for it in items
+    ]
 
 
 @dataclass
@@ -60,8 +66,13 @@ class _PartEncoded:
 
 
 class Intake:
-    def __init__(self, engine: Engine, encoder: MultimodalEncoder | None,
-                 embedding_bind: str = "tcp://127.0.0.1:0", secret: ClusterSecret | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        engine: Engine,
+        encoder: MultimodalEncoder | None,
+        embedding_bind: str = "tcp://127.0.0.1:0",
+        secret: ClusterSecret | None = None,
+    ) -> None:
         self.engine = engine
         self.encoder = encoder
         self.receiver = EmbeddingReceiver(embedding_bind, verifier=PartVerifier(secret) if secret else None)
@@ -89,10 +100,11 @@ class Intake:
         self.requests[req.request_id] = (req, time.perf_counter())
         if req.num_parts == 0:
             if req.media and self.encoder is None:
-                failure = Failure(503, "encoder_unavailable",
-                                  "no encoder is available for this request and this engine has no tower")  # fmt: skip
                 self.requests.pop(req.request_id)
-                return [m.ErrorMsg(req.request_id, failure)]
+                error = EncoderUnavailableError(
+                    "no encoder is available for this request and this engine has no tower"
+                )
+                return [m.ErrorMsg(req.request_id, error.failure)]
             self.pool.submit(self._encode_request, req)
             return []
         modalities = [it.modality for it in req.media]
@@ -138,8 +150,15 @@ class Intake:
         result = self._encode(media, EncodeTimings(), f"{msg.request_id} part {msg.part_index}")
         failed = isinstance(result, Failure)
         items = [] if failed else [EmbeddingItem(i, e) for i, e in zip(msg.item_indices, result, strict=True)]
-        header = PartHeader(WIRE_VERSION, msg.request_id, msg.part_index, msg.num_parts, LOCAL_FAILOVER, [],
-                            error=result if failed else None)  # fmt: skip
+        header = PartHeader(
+            WIRE_VERSION,
+            msg.request_id,
+            msg.part_index,
+            msg.num_parts,
+            LOCAL_FAILOVER,
+            [],
+            error=result if failed else None,
+        )
         self.done.put(_PartEncoded(header, items))
 
     # -- loop thread --------------------------------------------------------------------------------
@@ -182,8 +201,13 @@ class Intake:
             out += self._admit(o.request_id, o.items, None, sorted(set(o.encoders)))
         return out
 
-    def _admit(self, rid: str, result: list[ItemEmbedding] | Failure, timings: EncodeTimings | None,
-               encoded_by: list[str]) -> list:  # fmt: skip
+    def _admit(
+        self,
+        rid: str,
+        result: list[ItemEmbedding] | Failure,
+        timings: EncodeTimings | None,
+        encoded_by: list[str],
+    ) -> list:
         entry = self.requests.pop(rid, None)
         if entry is None:  # aborted meanwhile
             return []
@@ -193,9 +217,10 @@ class Intake:
         try:
             engine_req = self.engine.add_request(rid, list(req.prompt_token_ids), req.sampling, result)
         except EmbeddingMismatch as e:  # an encoder serving another model: this request only
-            logger.warning("request %s: embedding from %s rejected: %s", rid, ", ".join(encoded_by), e)
-            return [m.ErrorMsg(rid, Failure(502, "bad_embedding", f"{', '.join(encoded_by)} sent an embedding "
-                                            f"that does not fit this model: {e}"))]  # fmt: skip
+            sources = ", ".join(encoded_by)
+            logger.warning("request %s: embedding from %s rejected: %s", rid, sources, e)
+            message = f"{sources} sent an embedding that does not fit this model: {e}"
+            return [m.ErrorMsg(rid, Failure(502, "bad_embedding", message))]
         except MediaError as e:  # per-request media limits
             return [m.ErrorMsg(rid, e.failure)]
         except ValueError as e:

@@ -67,8 +67,11 @@ class EngineLoop:
         self.decoder = msgspec.msgpack.Decoder(m.ToEngine)
         self.encoder = msgspec.msgpack.Encoder()
         cfg = engine.cfg
-        local = None if cfg.language_only else build_encoder(engine.family, cfg.dtype, cfg.device,
-                                                             cfg.embedding_cache_mb, cfg.media)  # fmt: skip
+        local = (
+            None
+            if cfg.language_only
+            else build_encoder(engine.family, cfg.dtype, cfg.device, cfg.embedding_cache_mb, cfg.media)
+        )
         self.intake = Intake(engine, local, secret=secret)
         self.parent_pid = os.getppid()
         self.running = True
@@ -156,8 +159,15 @@ class EngineLoop:
         )
         pool = self.engine.pool
         endpoint, has_tower = self.intake.receiver.endpoint, self.intake.encoder is not None
-        ready = m.ReadyMsg(m.SCHEMA_VERSION, mc.max_model_len, pool.num_slots, pool.num_slots * per_token, per_token,
-                           endpoint, has_tower)  # fmt: skip
+        ready = m.ReadyMsg(
+            m.SCHEMA_VERSION,
+            mc.max_model_len,
+            pool.num_slots,
+            pool.num_slots * per_token,
+            per_token,
+            endpoint,
+            has_tower,
+        )
         self.send(ready)
         poller = zmq.Poller()
         poller.register(self.input, zmq.POLLIN)

@@ -113,8 +113,11 @@ class PartAssembler:
             return []
         seen = {i for part in pending.parts.values() for i in (it.item_index for it in part)}
         for it in items:
-            if it.item_index >= len(pending.modalities) or it.item_index in seen \
-                    or pending.modalities[it.item_index] != it.item.modality.value:  # fmt: skip
+            if (
+                it.item_index >= len(pending.modalities)
+                or it.item_index in seen
+                or pending.modalities[it.item_index] != it.item.modality.value
+            ):
                 self.stats.dropped_invalid += 1
                 return []
         pending.parts[header.part_index] = items

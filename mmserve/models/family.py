@@ -152,17 +152,22 @@ def check_tensors(family: ModelFamily, item: ItemEmbedding, expected_rows: int) 
     wanted = {MAIN, *family.extra_dims}
     if names != wanted:
         missing, unexpected = sorted(wanted - names), sorted(names - wanted)
-        raise EmbeddingMismatch(f"{where} has tensors {sorted(names)}; this model needs {sorted(wanted)} "
-                                f"(missing {missing}, unexpected {unexpected})")  # fmt: skip
+        raise EmbeddingMismatch(
+            f"{where} has tensors {sorted(names)}; this model needs {sorted(wanted)} "
+            f"(missing {missing}, unexpected {unexpected})"
+        )
     dtype = item.tensors[MAIN].dtype
     widths = {MAIN: family.hidden_size, **family.extra_dims}
     for name, tensor in item.tensors.items():
         if tensor.dim() != 2 or tensor.shape[1] != widths[name]:
-            raise EmbeddingMismatch(f"{where}: tensor {name!r} has shape {tuple(tensor.shape)}; this model needs "
-                                    f"(rows, {widths[name]}) (an encoder serving another model?)")  # fmt: skip
+            raise EmbeddingMismatch(
+                f"{where}: tensor {name!r} has shape {tuple(tensor.shape)}; this model needs "
+                f"(rows, {widths[name]}) (an encoder serving another model?)"
+            )
         if tensor.shape[0] != expected_rows:
-            raise EmbeddingMismatch(f"{where}: tensor {name!r} has {tensor.shape[0]} rows; its metadata needs "
-                                    f"{expected_rows}")  # fmt: skip
+            raise EmbeddingMismatch(
+                f"{where}: tensor {name!r} has {tensor.shape[0]} rows; its metadata needs {expected_rows}"
+            )
         if tensor.dtype != dtype or not tensor.is_floating_point():
             raise EmbeddingMismatch(f"{where}: tensor {name!r} is {tensor.dtype}, main is {dtype}")
 
@@ -231,5 +236,7 @@ def check_pixel_limit(family: ModelFamily, items: Sequence[ItemEmbedding], limit
 
     total = sum(family.input_pixels(it.modality, it.metadata) for it in items)
     if total > limit:
-        raise MediaTooLargeError(f"the request's media are {total} pixels after resizing; this server allows "
-                                 f"at most {limit} per request (--max-mm-pixels-per-prompt)")  # fmt: skip
+        raise MediaTooLargeError(
+            f"the request's media are {total} pixels after resizing; this server allows "
+            f"at most {limit} per request (--max-mm-pixels-per-prompt)"
+        )

@@ -53,8 +53,6 @@ from mmserve.models.family import (
 from mmserve.multimodal.errors import MediaDecodeError, UnsupportedMediaError
 from mmserve.multimodal.items import MAIN, ExpandedPrompt, ItemEmbedding, Modality, TowerInput
 
-LM_PREFIXES = ("model.language_model.", "language_model.model.")
-HEAD_PREFIXES = ("lm_head.", "language_model.lm_head.")
 # Tower parts: (name in the Tower module, checkpoint prefixes in both layouts).
 TOWER_PARTS = (
     ("vision_tower.", ("model.vision_tower.", "vision_tower.")),
@@ -63,8 +61,20 @@ TOWER_PARTS = (
 )
 NESTED_VISION = ("vision_model.",)  # older checkpoints nest the SigLIP transformer one level deeper
 # Image-processor attributes that change an image's pixels (all enter the content hash).
-IMAGE_SETTINGS = ("size", "crop_size", "image_grid_pinpoints", "resample", "do_resize", "do_center_crop",
-                  "do_rescale", "rescale_factor", "do_normalize", "image_mean", "image_std", "do_convert_rgb")  # fmt: skip
+IMAGE_SETTINGS = (
+    "size",
+    "crop_size",
+    "image_grid_pinpoints",
+    "resample",
+    "do_resize",
+    "do_center_crop",
+    "do_rescale",
+    "rescale_factor",
+    "do_normalize",
+    "image_mean",
+    "image_std",
+    "do_convert_rgb",
+)
 
 
 @dataclass(frozen=True)
@@ -99,8 +109,13 @@ class FrameSettings:
                 f"video processor size {size} is not supported: LLaVA-OneVision needs height and width"
             )
         values = {f.name: raw.get(f.name, getattr(Defaults, f.name, None)) for f in fields(cls)}
-        values.update(height=size["height"], width=size["width"], resample=int(values["resample"]),
-                      image_mean=tuple(values["image_mean"]), image_std=tuple(values["image_std"]))  # fmt: skip
+        values.update(
+            height=size["height"],
+            width=size["width"],
+            resample=int(values["resample"]),
+            image_mean=tuple(values["image_mean"]),
+            image_std=tuple(values["image_std"]),
+        )
         return cls(**values)
 
 
@@ -163,8 +178,12 @@ class Tower(torch.nn.Module):
 
     def pack_image(self, features: torch.Tensor, original_hw: tuple[int, int]) -> torch.Tensor:
         """(tiles, P, hidden) of one image -> its token rows (anyres when it has more than one tile)."""
-        packed, _ = self.pack_image_features([features], [original_hw], image_newline=self.image_newline,
-                                             vision_aspect_ratio=self.config.vision_aspect_ratio)  # fmt: skip
+        packed, _ = self.pack_image_features(
+            [features],
+            [original_hw],
+            image_newline=self.image_newline,
+            vision_aspect_ratio=self.config.vision_aspect_ratio,
+        )
         return packed[0]
 
 
@@ -196,8 +215,10 @@ class Family:
         if not self.aspect_ratio.startswith("anyres_max_") or not self.aspect_ratio[11:].isdigit():
             raise ValueError(f"vision_aspect_ratio {self.aspect_ratio!r} is not supported (anyres_max_N)")
         self.max_num_tiles = int(self.aspect_ratio[11:])
-        self.model_settings = {"vision_feature_layer": hf_config.vision_feature_layer,
-                               "vision_feature_select_strategy": self.strategy}  # fmt: skip
+        self.model_settings = {
+            "vision_feature_layer": hf_config.vision_feature_layer,
+            "vision_feature_select_strategy": self.strategy,
+        }
 
     # -- processor ------------------------------------------------------------------------------------
     @cached_property
@@ -295,8 +316,13 @@ class Family:
         raise UnsupportedMediaError(f"{modality.value} input is not supported by this model")
 
     def tower_input(self, modality: Modality, pixel_values: torch.Tensor, meta: VisionMeta) -> TowerInput:
-        return TowerInput(modality, {"pixel_values": pixel_values}, msgspec.msgpack.encode(meta),
-                          self.num_tokens(modality, meta), cost=meta.num_inputs)  # fmt: skip
+        return TowerInput(
+            modality,
+            {"pixel_values": pixel_values},
+            msgspec.msgpack.encode(meta),
+            self.num_tokens(modality, meta),
+            cost=meta.num_inputs,
+        )
 
     def process_image(self, image: Image.Image, anyres: bool) -> TowerInput:
         from transformers.image_processing_backends import PilBackend
@@ -309,8 +335,12 @@ class Family:
         except ValueError as e:
             raise MediaDecodeError(f"image cannot be preprocessed: {e}") from e
         pixel_values = out["pixel_values"][0]  # (tiles, 3, H, W)
-        meta = VisionMeta(pixel_values.shape[0], tuple(pixel_values.shape[-2:]),
-                          tuple(int(x) for x in out["image_sizes"][0]), anyres)  # fmt: skip
+        meta = VisionMeta(
+            pixel_values.shape[0],
+            tuple(pixel_values.shape[-2:]),
+            tuple(int(x) for x in out["image_sizes"][0]),
+            anyres,
+        )
         return self.tower_input(Modality.IMAGE, pixel_values, meta)
 
     def frame_pixels(self, frames: np.ndarray) -> torch.Tensor:
@@ -351,8 +381,7 @@ class Family:
 
     # -- weights and forward --------------------------------------------------------------------------
     def load_language_model(self, dtype: torch.dtype, attn_implementation: str) -> LanguageModel:
-        return weights.load_language_model(self.path, self.hf_config, dtype, attn_implementation, LM_PREFIXES, (),
-                                           HEAD_PREFIXES)  # fmt: skip
+        return weights.load_nested_language_model(self.path, self.hf_config, dtype, attn_implementation)
 
     def load_tower(self, dtype: torch.dtype) -> torch.nn.Module:
         tower = Tower(self.hf_config, dtype)
@@ -412,8 +441,11 @@ def hf_processor(path: str, family: Family):
 
     from mmserve.testing.reference import PrecomputedVideos, allow_any_video_processor
 
-    settings = {"num_image_tokens": family.patches_per_side**2, "vision_feature_select_strategy": family.strategy,
-                "vision_aspect_ratio": family.aspect_ratio}  # fmt: skip
+    settings = {
+        "num_image_tokens": family.patches_per_side**2,
+        "vision_feature_select_strategy": family.strategy,
+        "vision_aspect_ratio": family.aspect_ratio,
+    }
     file = os.path.join(path, "processor_config.json")
     if os.path.exists(file):
         with open(file) as f:
@@ -422,6 +454,10 @@ def hf_processor(path: str, family: Family):
     tokenizer = AutoTokenizer.from_pretrained(path)
     videos = PrecomputedVideos(lambda v: hf_video_inputs(family, v))
     with allow_any_video_processor():
-        return LlavaOnevisionProcessor(image_processor=LlavaOnevisionImageProcessorPil.from_pretrained(path),
-                                       tokenizer=tokenizer, video_processor=videos,
-                                       chat_template=tokenizer.chat_template, **settings)  # fmt: skip
+        return LlavaOnevisionProcessor(
+            image_processor=LlavaOnevisionImageProcessorPil.from_pretrained(path),
+            tokenizer=tokenizer,
+            video_processor=videos,
+            chat_template=tokenizer.chat_template,
+            **settings,
+        )

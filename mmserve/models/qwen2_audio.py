@@ -36,8 +36,6 @@ from mmserve.models.family import (
 from mmserve.multimodal.errors import MediaDecodeError, MediaTooLargeError, UnsupportedMediaError
 from mmserve.multimodal.items import MAIN, ExpandedPrompt, ItemEmbedding, Modality, TowerInput
 
-LM_PREFIXES = ("model.language_model.", "language_model.model.")
-HEAD_PREFIXES = ("lm_head.", "language_model.lm_head.")
 ENCODER_PREFIXES = ("model.audio_tower.", "audio_tower.")
 PROJECTOR_PREFIXES = ("model.multi_modal_projector.", "multi_modal_projector.")
 FEATURES = "input_features"  # a TowerInput's padded log-mel window: (num_mel_bins, window_frames)
@@ -112,23 +110,34 @@ class Family:
 
     def __init__(self, path: str, hf_config, mm_processor_kwargs: Mapping[str, Any]) -> None:
         if mm_processor_kwargs:
-            raise ValueError(f"unknown mm processor settings {sorted(mm_processor_kwargs)}: qwen2_audio takes "
-                             "its settings from the checkpoint's preprocessor_config.json")  # fmt: skip
+            raise ValueError(
+                f"unknown mm processor settings {sorted(mm_processor_kwargs)}: qwen2_audio takes "
+                "its settings from the checkpoint's preprocessor_config.json"
+            )
         self.path = path
         self.hf_config = hf_config
         self.model_type = hf_config.model_type
         self.feature_extractor = load_feature_extractor(path)
         fe = self.feature_extractor
         self.cfg = AudioPreprocessConfig(
-            feature_extractor=type(fe).__name__, sampling_rate=fe.sampling_rate, feature_size=fe.feature_size,
-            hop_length=fe.hop_length, n_fft=fe.n_fft, chunk_length=fe.chunk_length, n_samples=fe.n_samples,
-            padding_value=fe.padding_value, padding_side=fe.padding_side, dither=fe.dither,
-        )  # fmt: skip
+            feature_extractor=type(fe).__name__,
+            sampling_rate=fe.sampling_rate,
+            feature_size=fe.feature_size,
+            hop_length=fe.hop_length,
+            n_fft=fe.n_fft,
+            chunk_length=fe.chunk_length,
+            n_samples=fe.n_samples,
+            padding_value=fe.padding_value,
+            padding_side=fe.padding_side,
+            dither=fe.dither,
+        )
         audio = hf_config.audio_config
         window_frames = audio.max_source_positions * 2  # the encoder's two stride-2 stages
         if fe.nb_max_frames != window_frames or fe.feature_size != audio.num_mel_bins:
-            raise ValueError(f"{path}: the feature extractor gives {fe.feature_size} x {fe.nb_max_frames} mel "
-                             f"frames; the audio encoder takes {audio.num_mel_bins} x {window_frames}")  # fmt: skip
+            raise ValueError(
+                f"{path}: the feature extractor gives {fe.feature_size} x {fe.nb_max_frames} mel "
+                f"frames; the audio encoder takes {audio.num_mel_bins} x {window_frames}"
+            )
         self.audio_sample_rate_hz = int(fe.sampling_rate)
         self.placeholders = {Modality.AUDIO: hf_config.audio_token_id}
         self.hidden_size = hf_config.get_text_config().hidden_size
@@ -171,15 +180,19 @@ class Family:
             raise MediaDecodeError("audio samples are not finite numbers")
         rate, window_s = self.cfg.sampling_rate, self.cfg.chunk_length
         if samples.size > self.cfg.n_samples:
-            raise MediaTooLargeError(f"audio lasts {samples.size / rate:.2f} s; this model takes clips of at most "
-                                     f"{window_s} s")  # fmt: skip
-        out = self.feature_extractor(samples, sampling_rate=rate, padding="max_length", return_attention_mask=True,
-                                     return_tensors="pt")  # fmt: skip
+            raise MediaTooLargeError(
+                f"audio lasts {samples.size / rate:.2f} s; this model takes clips of at most {window_s} s"
+            )
+        out = self.feature_extractor(
+            samples, sampling_rate=rate, padding="max_length", return_attention_mask=True, return_tensors="pt"
+        )
         num_frames = int(out["attention_mask"][0].sum())
         num_tokens = num_audio_tokens(num_frames)
         if num_tokens < 1:
-            raise MediaDecodeError(f"audio lasts {samples.size / rate * 1000:.0f} ms, too short for this model "
-                                   f"(it needs {3 * self.cfg.hop_length / rate * 1000:.0f} ms or more)")  # fmt: skip
+            raise MediaDecodeError(
+                f"audio lasts {samples.size / rate * 1000:.0f} ms, too short for this model "
+                f"(it needs {3 * self.cfg.hop_length / rate * 1000:.0f} ms or more)"
+            )
         features = out[FEATURES][0]  # (mel, window_frames)
         meta = msgspec.msgpack.encode(AudioMeta(num_frames))
         return TowerInput(Modality.AUDIO, {FEATURES: features}, meta, num_tokens, cost=features.shape[-1])
@@ -196,8 +209,7 @@ class Family:
 
     # -- weights and forward --------------------------------------------------------------------------
     def load_language_model(self, dtype: torch.dtype, attn_implementation: str) -> LanguageModel:
-        return weights.load_language_model(self.path, self.hf_config, dtype, attn_implementation, LM_PREFIXES, (),
-                                           HEAD_PREFIXES)  # fmt: skip
+        return weights.load_nested_language_model(self.path, self.hf_config, dtype, attn_implementation)
 
     def load_tower(self, dtype: torch.dtype) -> torch.nn.Module:
         from transformers.models.qwen2_audio.modeling_qwen2_audio import (
@@ -207,8 +219,10 @@ class Family:
 
         encoder = weights.build_empty(self.hf_config.audio_config, dtype, "sdpa", Qwen2AudioEncoder)
         projector = Qwen2AudioMultiModalProjector(self.hf_config).to(dtype)
-        for module, prefixes, what in ((encoder, ENCODER_PREFIXES, "audio tower"),
-                                       (projector, PROJECTOR_PREFIXES, "audio projector")):  # fmt: skip
+        for module, prefixes, what in (
+            (encoder, ENCODER_PREFIXES, "audio tower"),
+            (projector, PROJECTOR_PREFIXES, "audio projector"),
+        ):
             weights.load_into(module, dict(weights.iter_prefixed(self.path, prefixes)), what)
         return AudioTower(encoder, projector).eval()
 
@@ -232,5 +246,8 @@ def hf_processor(path: str, family: Family):
     from transformers import AutoTokenizer, Qwen2AudioProcessor
 
     tokenizer = AutoTokenizer.from_pretrained(path)
-    return Qwen2AudioProcessor(feature_extractor=load_feature_extractor(path), tokenizer=tokenizer,
-                               chat_template=tokenizer.chat_template)  # fmt: skip
+    return Qwen2AudioProcessor(
+        feature_extractor=load_feature_extractor(path),
+        tokenizer=tokenizer,
+        chat_template=tokenizer.chat_template,
+    )

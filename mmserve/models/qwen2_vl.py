@@ -205,8 +205,13 @@ class Family:
 
     def tower_input(self, modality: Modality, pixel_values: torch.Tensor, meta: VisionMeta) -> TowerInput:
         tensors = {"pixel_values": pixel_values}
-        return TowerInput(modality, tensors, msgspec.msgpack.encode(meta), self.num_tokens(meta.grid_thw),
-                          cost=pixel_values.shape[0])  # fmt: skip
+        return TowerInput(
+            modality,
+            tensors,
+            msgspec.msgpack.encode(meta),
+            self.num_tokens(meta.grid_thw),
+            cost=pixel_values.shape[0],
+        )
 
     def process_image(self, image: Image.Image) -> TowerInput:
         try:
@@ -296,8 +301,16 @@ class Family:
 
     # -- weights and forward --------------------------------------------------------------------------
     def load_language_model(self, dtype: torch.dtype, attn_implementation: str) -> LanguageModel:
-        return weights.load_language_model(self.path, self.hf_config, dtype, attn_implementation, LM_PREFIXES,
-                                           VISION_PREFIXES + HEAD_PREFIXES, HEAD_PREFIXES, self.classes[0])  # fmt: skip
+        return weights.load_language_model(
+            self.path,
+            self.hf_config,
+            dtype,
+            attn_implementation,
+            prefixes=LM_PREFIXES,
+            exclude=VISION_PREFIXES + HEAD_PREFIXES,
+            head_prefixes=HEAD_PREFIXES,
+            text_cls=self.classes[0],
+        )
 
     @property
     def classes(self) -> tuple[type, type]:
@@ -343,9 +356,13 @@ def hf_video_inputs(family: Family, videos: list) -> dict[str, Any]:
         "pixel_values_videos": torch.cat([p.tensors["pixel_values"] for p in processed]),
         "video_grid_thw": torch.tensor([family.meta(p.metadata).grid_thw for p in processed]),
         # Frame times as HF derives them (index / fps): what Qwen2.5-VL's and Qwen3-VL's processors read.
-        "video_metadata": [VideoMetadata(total_num_frames=len(v.frames), fps=v.fps,
-                                         frames_indices=[t * v.fps for t in v.timestamps_s]) for v in videos],
-    }  # fmt: skip
+        "video_metadata": [
+            VideoMetadata(
+                total_num_frames=len(v.frames), fps=v.fps, frames_indices=[t * v.fps for t in v.timestamps_s]
+            )
+            for v in videos
+        ],
+    }
 
 
 def hf_processor(path: str, family: Family):
@@ -358,8 +375,15 @@ def hf_processor(path: str, family: Family):
 
     cls = Qwen2VLProcessor if family.model_type == "qwen2_vl" else Qwen2_5_VLProcessor
     tokenizer = AutoTokenizer.from_pretrained(path)
-    videos = PrecomputedVideos(lambda v: hf_video_inputs(family, v), merge_size=family.cfg.merge_size,
-                               temporal_patch_size=family.cfg.temporal_patch_size)  # fmt: skip
+    videos = PrecomputedVideos(
+        lambda v: hf_video_inputs(family, v),
+        merge_size=family.cfg.merge_size,
+        temporal_patch_size=family.cfg.temporal_patch_size,
+    )
     with allow_any_video_processor():
-        return cls(image_processor=Qwen2VLImageProcessorPil.from_pretrained(path), tokenizer=tokenizer,
-                   video_processor=videos, chat_template=tokenizer.chat_template)  # fmt: skip
+        return cls(
+            image_processor=Qwen2VLImageProcessorPil.from_pretrained(path),
+            tokenizer=tokenizer,
+            video_processor=videos,
+            chat_template=tokenizer.chat_template,
+        )

@@ -44,8 +44,15 @@ class VideoMeta(msgspec.Struct, frozen=True, array_like=True):
     timestamps: tuple[float, ...] = ()
 
 
-def smart_resize_video(num_frames: int, height: int, width: int, temporal_factor: int, factor: int,
-                       min_pixels: int, max_pixels: int) -> tuple[int, int]:  # fmt: skip
+def smart_resize_video(
+    num_frames: int,
+    height: int,
+    width: int,
+    temporal_factor: int,
+    factor: int,
+    min_pixels: int,
+    max_pixels: int,
+) -> tuple[int, int]:
     """One (height, width) for every frame of a clip: multiples of `factor`, the clip's total pixels
     (frames x height x width) within [min_pixels, max_pixels], the aspect ratio kept (as transformers'
     Qwen3-VL video processor)."""
@@ -77,9 +84,12 @@ def group_timestamps(times: list[float], group: int) -> list[float]:
 
 class Family(qwen2_vl.Family):
     default_preprocess = VisionPreprocessConfig(
-        patch_size=16, image_mean=(0.5, 0.5, 0.5), image_std=(0.5, 0.5, 0.5),
-        video_min_pixels=128 * 32 * 32, video_max_pixels=768 * 32 * 32,
-    )  # fmt: skip
+        patch_size=16,
+        image_mean=(0.5, 0.5, 0.5),
+        image_std=(0.5, 0.5, 0.5),
+        video_min_pixels=128 * 32 * 32,
+        video_max_pixels=768 * 32 * 32,
+    )
 
     def __init__(self, path: str, hf_config, mm_processor_kwargs: Mapping[str, Any]) -> None:
         super().__init__(path, hf_config, mm_processor_kwargs)
@@ -102,8 +112,15 @@ class Family(qwen2_vl.Family):
         frames = self.pad_frames(video.frames)
         if num_frames < tp:
             raise MediaDecodeError(f"video has {num_frames} frame(s); this model needs at least {tp}")
-        h, w = smart_resize_video(num_frames, frames.shape[1], frames.shape[2], tp, self.cfg.factor,
-                                  self.cfg.video_min_pixels, self.cfg.video_max_pixels)  # fmt: skip
+        h, w = smart_resize_video(
+            num_frames,
+            frames.shape[1],
+            frames.shape[2],
+            tp,
+            self.cfg.factor,
+            self.cfg.video_min_pixels,
+            self.cfg.video_max_pixels,
+        )
         # One size for the clip (above); each frame resized to it, then normalized by the image processor
         # (whose own resize is then the identity).
         resized = np.stack(
@@ -202,8 +219,15 @@ def hf_processor(path: str, family: Family):
     from mmserve.testing.reference import PrecomputedVideos, allow_any_video_processor
 
     tokenizer = AutoTokenizer.from_pretrained(path)
-    videos = PrecomputedVideos(lambda v: qwen2_vl.hf_video_inputs(family, v), merge_size=family.cfg.merge_size,
-                               temporal_patch_size=family.cfg.temporal_patch_size)  # fmt: skip
+    videos = PrecomputedVideos(
+        lambda v: qwen2_vl.hf_video_inputs(family, v),
+        merge_size=family.cfg.merge_size,
+        temporal_patch_size=family.cfg.temporal_patch_size,
+    )
     with allow_any_video_processor():
-        return Qwen3VLProcessor(image_processor=Qwen2VLImageProcessorPil.from_pretrained(path), tokenizer=tokenizer,
-                                video_processor=videos, chat_template=tokenizer.chat_template)  # fmt: skip
+        return Qwen3VLProcessor(
+            image_processor=Qwen2VLImageProcessorPil.from_pretrained(path),
+            tokenizer=tokenizer,
+            video_processor=videos,
+            chat_template=tokenizer.chat_template,
+        )

@@ -73,12 +73,22 @@ def build_empty(config, dtype: torch.dtype, attn_implementation: str, cls=None) 
 
 def tied_embeddings(hf_config) -> bool:
     """Whether the head shares the input embedding (the top-level or the text config says so)."""
-    return bool(getattr(hf_config, "tie_word_embeddings", False)
-                or getattr(hf_config.get_text_config(), "tie_word_embeddings", False))  # fmt: skip
+    return bool(
+        getattr(hf_config, "tie_word_embeddings", False)
+        or getattr(hf_config.get_text_config(), "tie_word_embeddings", False)
+    )
 
 
-def load_language_model(path: str, hf_config, dtype: torch.dtype, attn_implementation: str, prefixes: Sequence[str],
-                        exclude: Sequence[str], head_prefixes: Sequence[str], text_cls=None):  # fmt: skip
+def load_language_model(
+    path: str,
+    hf_config,
+    dtype: torch.dtype,
+    attn_implementation: str,
+    prefixes: Sequence[str],
+    exclude: Sequence[str],
+    head_prefixes: Sequence[str],
+    text_cls=None,
+):
     """The text model (of `text_cls`, default its AutoModel class) and its head, from the checkpoint in `path`.
 
     `prefixes` locate the text model's tensors (first match wins; keys under `exclude` are skipped),
@@ -113,3 +123,23 @@ def renamed(tensors: Iterator[tuple[str, torch.Tensor]], strip: Sequence[str]) -
                 break
         out[key] = tensor
     return out
+
+
+# The language model of composite checkpoints (LLaVA, Qwen2-Audio): published under `language_model.`,
+# re-saved by transformers 5 under `model.language_model.` with the head at the top.
+NESTED_LM_PREFIXES = ("model.language_model.", "language_model.model.")
+NESTED_HEAD_PREFIXES = ("lm_head.", "language_model.lm_head.")
+
+
+def load_nested_language_model(path: str, hf_config, dtype: torch.dtype, attn_implementation: str):
+    """`load_language_model` for a checkpoint whose text model (of its AutoModel class) sits under
+    `language_model` in either layout."""
+    return load_language_model(
+        path,
+        hf_config,
+        dtype,
+        attn_implementation,
+        prefixes=NESTED_LM_PREFIXES,
+        exclude=(),
+        head_prefixes=NESTED_HEAD_PREFIXES,
+    )

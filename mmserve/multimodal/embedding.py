@@ -32,8 +32,10 @@ class PlacedEmbedding:
         hits = torch.nonzero(token_ids[offset : offset + span] == pad).flatten() + offset
         rows = tensors[MAIN].shape[0]
         if hits.shape[0] != rows:
-            raise ValueError(f"item at [{offset}, {offset + span}) has {hits.shape[0]} placeholder tokens "
-                             f"but {rows} embedding rows")  # fmt: skip
+            raise ValueError(
+                f"item at [{offset}, {offset + span}) has {hits.shape[0]} placeholder tokens "
+                f"but {rows} embedding rows"
+            )
         return cls(hits, tensors)
 
     def rows_in(self, start: int, end: int) -> tuple[int, int]:

@@ -214,11 +214,17 @@ def build_app(
         prompt_ids = tokenize(text)
         for modality, _ in media:
             if modality not in family.modalities:
-                raise APIError(400, f"this model takes no {modality.value} input (it takes "
-                                    f"{', '.join(sorted(m.value for m in family.modalities))})", "unsupported_media")  # fmt: skip
+                raise APIError(
+                    400,
+                    f"this model takes no {modality.value} input (it takes "
+                    f"{', '.join(sorted(m.value for m in family.modalities))})",
+                    "unsupported_media",
+                )
         settings = family.item_settings([mod for mod, _ in media])
-        items = [MediaItemMsg(mod.value, url=ref.url, data=ref.data, settings=s)
-                 for (mod, ref), s in zip(media, settings, strict=True)]  # fmt: skip
+        items = [
+            MediaItemMsg(mod.value, url=ref.url, data=ref.data, settings=s)
+            for (mod, ref), s in zip(media, settings, strict=True)
+        ]
         return await generate(request, body, "chat", prompt_ids, items)
 
     @app.post("/v1/completions", openapi_extra=_json_body(CompletionRequest))
@@ -244,8 +250,16 @@ def build_app(
         max_tokens_of(body)
         params = body.sampling_params()
         check_capacity()
-        gen = Generation(client, tokenizer, metrics, f"{kind}-{uuid.uuid4().hex[:12]}-{next(ids)}", prompt_ids,
-                         items, params, dispatcher)  # fmt: skip
+        gen = Generation(
+            client,
+            tokenizer,
+            metrics,
+            f"{kind}-{uuid.uuid4().hex[:12]}-{next(ids)}",
+            prompt_ids,
+            items,
+            params,
+            dispatcher,
+        )
         admitting.add(gen.request_id)
         try:
             await run_with_disconnect(request, gen.start())

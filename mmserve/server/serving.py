@@ -49,14 +49,14 @@ class Generation:
     completion_tokens: int = 0
     finish_reason: str | None = None
     mm_items: int = 0
-    mm_cache_hits: int = 0
+    mm_cache_hits: int = 0  # found by the engine's local encoder
+    encoder_cache_hits: int = 0  # found by encoder services (EPD), reported when the dispatch settles
     encoded_by: list[str] = field(default_factory=list)
     timings: Timings = field(default_factory=Timings)
 
     async def start(self) -> None:
         """Send the request and wait until the engine accepted it. Raises APIError."""
         parts = self._plan_parts()
-        self._dispatch: asyncio.Future | None = None
         try:
             self._stream = self.client.generate(
                 m.GenerateReq(
@@ -65,9 +65,11 @@ class Generation:
             )
             pending = asyncio.ensure_future(anext(self._stream))  # sends the request to the engine first
             if parts:
+                # Held here: the event loop keeps only a weak reference to a task.
                 self._dispatch = asyncio.ensure_future(
                     self.dispatcher.run(self.request_id, self.media, parts)
                 )
+                self._dispatch.add_done_callback(self._dispatched)
             first = await pending
         except EngineDeadError as e:
             raise APIError(503, str(e), "engine_unavailable") from e
@@ -154,8 +156,14 @@ class Generation:
         In EPD the encoders report their cache hits in their answers to the dispatcher, which normally come
         in before the first token; if one is still outstanding it is simply not counted (never waited for).
         """
-        if self._dispatch is not None and self._dispatch.done() and not self._dispatch.cancelled() \
-                and self._dispatch.exception() is None:  # fmt: skip
-            self.mm_cache_hits = self._dispatch.result()
-        return {"timings": self.timings.as_dict(), "encoded_by": ", ".join(self.encoded_by) or "none",
-                "mm_items": self.mm_items, "mm_cache_hits": self.mm_cache_hits}  # fmt: skip
+        return {
+            "timings": self.timings.as_dict(),
+            "encoded_by": ", ".join(self.encoded_by) or "none",
+            "mm_items": self.mm_items,
+            "mm_cache_hits": self.mm_cache_hits + self.encoder_cache_hits,
+        }
+
+    def _dispatched(self, task: asyncio.Future) -> None:
+        """The dispatcher settled every part: record the encoders' cache hits (a statistic, never awaited)."""
+        if not task.cancelled() and task.exception() is None:
+            self.encoder_cache_hits = task.result()

@@ -103,8 +103,13 @@ class HFReference:
             kwargs["sampling_rate"] = self.family.audio_sample_rate_hz
         return self.processor(**kwargs)
 
-    def generate(self, messages: list[dict[str, Any]], media: list[tuple[Modality, Any]], max_new_tokens: int = 16,
-                 streamer=None) -> ReferenceOutput:  # fmt: skip
+    def generate(
+        self,
+        messages: list[dict[str, Any]],
+        media: list[tuple[Modality, Any]],
+        max_new_tokens: int = 16,
+        streamer=None,
+    ) -> ReferenceOutput:
         inputs = self.inputs(messages, media)
         model = self.model
         for (
@@ -115,9 +120,15 @@ class HFReference:
                 inputs[key] = value.to(model.dtype)
         with torch.no_grad():
             out = model.generate(
-                **inputs, max_new_tokens=max_new_tokens, do_sample=False, output_logits=True, streamer=streamer,
-                return_dict_in_generate=True, eos_token_id=None, pad_token_id=model.generation_config.pad_token_id,
-            )  # fmt: skip
+                **inputs,
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                output_logits=True,
+                streamer=streamer,
+                return_dict_in_generate=True,
+                eos_token_id=None,
+                pad_token_id=model.generation_config.pad_token_id,
+            )
         prompt_len = inputs["input_ids"].shape[1]
         new_tokens = out.sequences[0, prompt_len:].tolist()
         logits = torch.cat([step.float() for step in out.logits], dim=0)

@@ -121,21 +121,40 @@ def _ids(tokenizer, tokens: tuple[str, ...]) -> dict[str, int]:
 def _text_config(size: str, tokenizer, mrope_section: list[int] | None, **extra) -> dict:
     ids = _ids(tokenizer, QWEN_TOKENS)
     if size == "tiny":
-        text = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                    num_key_value_heads=2, initializer_range=0.5, max_position_embeddings=4096)  # fmt: skip
+        text = dict(
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            initializer_range=0.5,
+            max_position_embeddings=4096,
+        )
         rope = {"rope_type": "default", "rope_theta": 10000.0}
     elif size == "small":
         # Qwen2-0.5B-like language model (24 layers, GQA 14/2).
-        text = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-                    num_key_value_heads=2, initializer_range=0.02, max_position_embeddings=32768)  # fmt: skip
+        text = dict(
+            hidden_size=896,
+            intermediate_size=4864,
+            num_hidden_layers=24,
+            num_attention_heads=14,
+            num_key_value_heads=2,
+            initializer_range=0.02,
+            max_position_embeddings=32768,
+        )
         rope = {"rope_type": "default", "rope_theta": 1000000.0}
     else:
         raise ValueError(f"unknown size {size!r}: expected 'tiny' or 'small'")
     if mrope_section is not None:
         # M-RoPE sections must cover half the head dim or the first forward crashes.
         rope["mrope_section"] = mrope_section if size == "tiny" else [8, 12, 12]
-    text.update(rope_parameters=rope, vocab_size=len(tokenizer), bos_token_id=ids["<|endoftext|>"],
-                eos_token_id=ids["<|im_end|>"], **extra)  # fmt: skip
+    text.update(
+        rope_parameters=rope,
+        vocab_size=len(tokenizer),
+        bos_token_id=ids["<|endoftext|>"],
+        eos_token_id=ids["<|im_end|>"],
+        **extra,
+    )
     return text
 
 
@@ -156,20 +175,33 @@ def _qwen_vl(arch: str, size: str) -> KitModel:
     ids = _ids(tokenizer, SPECIAL_TOKENS)
     text = _text_config(size, tokenizer, [2, 3, 3])
     width = 16 if size == "tiny" else 768
-    vision = dict(depth=2, num_heads=2, initializer_range=0.5) if size == "tiny" else \
-        dict(depth=12, num_heads=12, initializer_range=0.02)  # ~ViT-B  # fmt: skip
+    vision = (
+        dict(depth=2, num_heads=2, initializer_range=0.5)
+        if size == "tiny"
+        else dict(depth=12, num_heads=12, initializer_range=0.02)
+    )  # ~ViT-B
     if arch == "qwen2_vl":
         vision.update(embed_dim=width, hidden_size=text["hidden_size"], mlp_ratio=4)
         config_cls = Qwen2VLConfig
     else:
-        vision.update(hidden_size=width, out_hidden_size=text["hidden_size"], intermediate_size=width * 2,
-                      fullatt_block_indexes=[vision["depth"] - 1], window_size=112, tokens_per_second=2)  # fmt: skip
+        vision.update(
+            hidden_size=width,
+            out_hidden_size=text["hidden_size"],
+            intermediate_size=width * 2,
+            fullatt_block_indexes=[vision["depth"] - 1],
+            window_size=112,
+            tokens_per_second=2,
+        )
         config_cls = Qwen2_5_VLConfig
     config = config_cls(
-        text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
-        video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
-        vision_end_token_id=ids["<|vision_end|>"], tie_word_embeddings=(size == "tiny"),
-    )  # fmt: skip
+        text_config=text,
+        vision_config=vision,
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+        tie_word_embeddings=(size == "tiny"),
+    )
     return KitModel(
         _finish(config, tokenizer), tokenizer, lambda d: make_image_processor().save_pretrained(d)
     )
@@ -186,14 +218,28 @@ def _qwen3_vl(size: str) -> KitModel:
     # layer changes the tokens (a negative control).
     text = _text_config(size, tokenizer, [2, 3, 3], head_dim=16, num_hidden_layers=3)
     text["rope_parameters"]["mrope_interleaved"] = True
-    vision = dict(depth=3, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=16, spatial_merge_size=2,
-                  temporal_patch_size=2, out_hidden_size=text["hidden_size"], num_position_embeddings=64,
-                  deepstack_visual_indexes=[0, 1], initializer_range=0.5)  # fmt: skip
+    vision = dict(
+        depth=3,
+        hidden_size=32,
+        intermediate_size=64,
+        num_heads=2,
+        patch_size=16,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+        out_hidden_size=text["hidden_size"],
+        num_position_embeddings=64,
+        deepstack_visual_indexes=[0, 1],
+        initializer_range=0.5,
+    )
     config = Qwen3VLConfig(
-        text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
-        video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
-        vision_end_token_id=ids["<|vision_end|>"], tie_word_embeddings=True,
-    )  # fmt: skip
+        text_config=text,
+        vision_config=vision,
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+        tie_word_embeddings=True,
+    )
     norm = dict(patch_size=16, temporal_patch_size=2, merge_size=2, image_mean=[0.5] * 3, image_std=[0.5] * 3)
 
     def save(out_dir: str) -> None:
@@ -228,26 +274,58 @@ def _llava_onevision(size: str) -> KitModel:
     ids = _ids(tokenizer, LLAVA_TOKENS)
     text = _text_config(size, tokenizer, None, model_type="qwen2")
     # SigLIP tiles of 32x32 pixels in 8x8 patches: 16 tokens per tile.
-    vision = dict(model_type="siglip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                  num_attention_heads=2, image_size=32, patch_size=8)  # fmt: skip
+    vision = dict(
+        model_type="siglip_vision_model",
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        image_size=32,
+        patch_size=8,
+    )
     config = LlavaOnevisionConfig(
-        text_config=text, vision_config=vision, image_token_id=ids["<image>"], video_token_id=ids["<video>"],
-        vision_feature_layer=-1, vision_feature_select_strategy="full", image_grid_pinpoints=LLAVA_PINPOINTS,
-        vision_aspect_ratio="anyres_max_9", tie_word_embeddings=True,
-    )  # fmt: skip
+        text_config=text,
+        vision_config=vision,
+        image_token_id=ids["<image>"],
+        video_token_id=ids["<video>"],
+        vision_feature_layer=-1,
+        vision_feature_select_strategy="full",
+        image_grid_pinpoints=LLAVA_PINPOINTS,
+        vision_aspect_ratio="anyres_max_9",
+        tie_word_embeddings=True,
+    )
 
     def save(out_dir: str) -> None:
-        LlavaOnevisionImageProcessorPil(size={"height": 32, "width": 32}, image_grid_pinpoints=LLAVA_PINPOINTS,
-                                        crop_size={"height": 32, "width": 32}).save_pretrained(out_dir)  # fmt: skip
+        LlavaOnevisionImageProcessorPil(
+            size={"height": 32, "width": 32},
+            image_grid_pinpoints=LLAVA_PINPOINTS,
+            crop_size={"height": 32, "width": 32},
+        ).save_pretrained(out_dir)
         # HF's video processor needs torchvision to be built, so write its config as HF saves it.
-        video = {"video_processor_type": "LlavaOnevisionVideoProcessor", "size": {"height": 32, "width": 32},
-                 "do_resize": True, "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True,
-                 "image_mean": [0.48145466, 0.4578275, 0.40821073], "image_std": [0.26862954, 0.26130258, 0.27577711],
-                 "resample": 3, "do_convert_rgb": True, "do_sample_frames": False}  # fmt: skip
+        video = {
+            "video_processor_type": "LlavaOnevisionVideoProcessor",
+            "size": {"height": 32, "width": 32},
+            "do_resize": True,
+            "do_rescale": True,
+            "rescale_factor": 1 / 255,
+            "do_normalize": True,
+            "image_mean": [0.48145466, 0.4578275, 0.40821073],
+            "image_std": [0.26862954, 0.26130258, 0.27577711],
+            "resample": 3,
+            "do_convert_rgb": True,
+            "do_sample_frames": False,
+        }
         _write_json(out_dir, "video_preprocessor_config.json", video)
-        _write_json(out_dir, "processor_config.json", {"processor_class": "LlavaOnevisionProcessor",
-                                                       "num_image_tokens": 16, "vision_feature_select_strategy": "full",
-                                                       "vision_aspect_ratio": "anyres_max_9"})  # fmt: skip
+        _write_json(
+            out_dir,
+            "processor_config.json",
+            {
+                "processor_class": "LlavaOnevisionProcessor",
+                "num_image_tokens": 16,
+                "vision_feature_select_strategy": "full",
+                "vision_aspect_ratio": "anyres_max_9",
+            },
+        )
 
     return KitModel(_finish(config, tokenizer), tokenizer, save)
 
@@ -263,14 +341,23 @@ def _qwen2_audio(size: str) -> KitModel:
     ids = _ids(tokenizer, AUDIO_TOKENS)
     text = _text_config(size, tokenizer, None, model_type="qwen2")
     # 16 mel bins, 2-second windows (200 frames at a 10 ms hop): one second of audio is 25 LM tokens.
-    audio = dict(d_model=32, encoder_layers=2, encoder_attention_heads=2, encoder_ffn_dim=64, num_mel_bins=16,
-                 max_source_positions=100, initializer_range=0.5)  # fmt: skip
-    config = Qwen2AudioConfig(text_config=text, audio_config=audio, audio_token_index=ids["<|AUDIO|>"],
-                              tie_word_embeddings=True)  # fmt: skip
+    audio = dict(
+        d_model=32,
+        encoder_layers=2,
+        encoder_attention_heads=2,
+        encoder_ffn_dim=64,
+        num_mel_bins=16,
+        max_source_positions=100,
+        initializer_range=0.5,
+    )
+    config = Qwen2AudioConfig(
+        text_config=text, audio_config=audio, audio_token_index=ids["<|AUDIO|>"], tie_word_embeddings=True
+    )
 
     def save(out_dir: str) -> None:
-        WhisperFeatureExtractor(feature_size=16, sampling_rate=16000, hop_length=160, chunk_length=2,
-                                n_fft=400).save_pretrained(out_dir)  # fmt: skip
+        WhisperFeatureExtractor(
+            feature_size=16, sampling_rate=16000, hop_length=160, chunk_length=2, n_fft=400
+        ).save_pretrained(out_dir)
 
     return KitModel(_finish(config, tokenizer), tokenizer, save)
 
@@ -299,8 +386,13 @@ def make_hf_config(arch: str, size: str):
     return KIT[arch](size).config
 
 
-def build_tiny_model(out_dir: str, arch: str = "qwen2_vl", size: str = "tiny", seed: int = 0,
-                     edit_config: Callable[[object], None] | None = None) -> str:  # fmt: skip
+def build_tiny_model(
+    out_dir: str,
+    arch: str = "qwen2_vl",
+    size: str = "tiny",
+    seed: int = 0,
+    edit_config: Callable[[object], None] | None = None,
+) -> str:
     """Build and save a random-weight checkpoint in `out_dir`; returns `out_dir`. Deterministic in `seed`.
     `edit_config` may change the HF config first (tests build "another model" of the same family)."""
     import torch

@@ -144,13 +144,23 @@ def encode_part(
         for name, tensor in entry.item.tensors.items():
             flat = _flat_bytes(tensor)
             offset = _align_up(end)
-            tensors.append(TensorHeader(name, _DTYPE_NAMES[tensor.dtype], tuple(int(x) for x in tensor.shape),
-                                        offset, flat.numel()))  # fmt: skip
+            tensors.append(
+                TensorHeader(
+                    name,
+                    _DTYPE_NAMES[tensor.dtype],
+                    tuple(int(x) for x in tensor.shape),
+                    offset,
+                    flat.numel(),
+                )
+            )
             flats.append(flat)
             end = offset + flat.numel()
         it = entry.item
-        headers.append(ItemHeader(entry.item_index, bytes(it.content_hash), it.modality.value, bytes(it.metadata),
-                                  tensors))  # fmt: skip
+        headers.append(
+            ItemHeader(
+                entry.item_index, bytes(it.content_hash), it.modality.value, bytes(it.metadata), tensors
+            )
+        )
     offsets = [t.offset for h in headers for t in h.tensors]
     if not flats:
         payload: bytes | memoryview = b""
@@ -305,7 +315,7 @@ def decode_part(
         EmbeddingItem(
             ih.item_index,
             ItemEmbedding(Modality(ih.modality), ih.content_hash, _tensors(payload, ih, copy), ih.metadata),
-        )  # fmt: skip
+        )
         for ih in header.items
     ]
     return header, items
