@@ -163,6 +163,37 @@ def _cases() -> dict[str, Case]:
         "stream_list": Case(const(hi(stream=[1])), 400, "stream"),
         "stop_number": Case(const(hi(stop=5)), 400, "stop"),
         "n_two": Case(const(hi(n=2)), 400, "n"),
+        # fields this server does not implement are refused by name, never accepted and ignored
+        "unimplemented_logprobs": Case(const(hi(logprobs=True)), 400, "logprobs: not supported"),
+        "unimplemented_penalty": Case(
+            const(hi(presence_penalty=0.5)), 400, "presence_penalty: not supported"
+        ),
+        "unimplemented_stream_option": Case(
+            const(hi(stream=True, stream_options={"continuous_usage_stats": True})),
+            400,
+            "stream_options.continuous_usage_stats: not supported",
+        ),
+        "unimplemented_completion_field": Case(
+            const({"prompt": "hi", "max_tokens": 2, "suffix": "!"}),
+            400,
+            "suffix: not supported",
+            path="/v1/completions",
+        ),
+        "unimplemented_message_key": Case(
+            const({"messages": [{"role": "user", "content": "hi", "name": "bob"}], "max_tokens": 2}),
+            400,
+            "'name' not supported",
+        ),
+        "unimplemented_image_detail": Case(
+            const(
+                chat({"type": "image_url", "image_url": {"url": bm.data_uri(bm.image()), "detail": "high"}})
+            ),
+            400,
+            "only 'auto'",
+        ),
+        "ignored_fields_control": Case(
+            const(hi(user="u-1", metadata={"k": "v"}, store=False, service_tier="auto")), 200, ""
+        ),
         "text_part_not_string": Case(
             const(chat({"type": "text", "text": 7})), 400, "'text' must be a string"
         ),

@@ -44,8 +44,9 @@ def expected(tiny_qwen2_vl):
 
 def chat(client, case, **kwargs):
     kwargs.setdefault("max_tokens", MAX_NEW)
-    return client.chat.completions.create(model="tiny", messages=case.messages, temperature=0,
-                                          extra_body={"ignore_eos": True}, **kwargs)  # fmt: skip
+    return client.chat.completions.create(
+        model="tiny", messages=case.messages, temperature=0, extra_body={"ignore_eos": True}, **kwargs
+    )
 
 
 @pytest.mark.parametrize("seeds", [[1], [2, 3]], ids=["one_image", "two_images"])
@@ -90,25 +91,52 @@ def test_seed_and_stop_strings(client, server):
     case = image_case([7], "Say something.")
 
     def sample(seed):
-        return client.chat.completions.create(model="tiny", messages=case.messages, temperature=1.0, seed=seed,
-                                              max_tokens=16, extra_body={"ignore_eos": True}).choices[0].message.content  # fmt: skip
+        return (
+            client.chat.completions.create(
+                model="tiny",
+                messages=case.messages,
+                temperature=1.0,
+                seed=seed,
+                max_tokens=16,
+                extra_body={"ignore_eos": True},
+            )
+            .choices[0]
+            .message.content
+        )
 
     assert sample(11) == sample(11)
     full = chat(client, case, max_tokens=16).choices[0].message.content
     stop = full[4:7]
-    body = {"model": "tiny", "messages": case.messages, "temperature": 0, "max_tokens": 16, "stop": [stop],
-            "ignore_eos": True}  # fmt: skip
+    body = {
+        "model": "tiny",
+        "messages": case.messages,
+        "temperature": 0,
+        "max_tokens": 16,
+        "stop": [stop],
+        "ignore_eos": True,
+    }
     out = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60).json()
     assert out["choices"][0]["message"]["content"] == full[: full.index(stop)]
     assert out["choices"][0]["finish_reason"] == "stop"
 
 
 def test_completions_endpoint(client, server):
-    out = client.completions.create(model="tiny", prompt="The quick brown fox", max_tokens=5, temperature=0,
-                                    extra_body={"ignore_eos": True})  # fmt: skip
+    out = client.completions.create(
+        model="tiny",
+        prompt="The quick brown fox",
+        max_tokens=5,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
     assert out.choices[0].finish_reason == "length" and out.usage.completion_tokens == 5
-    streamed = client.completions.create(model="tiny", prompt="The quick brown fox", max_tokens=5, temperature=0,
-                                         stream=True, extra_body={"ignore_eos": True})  # fmt: skip
+    streamed = client.completions.create(
+        model="tiny",
+        prompt="The quick brown fox",
+        max_tokens=5,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
     assert "".join(c.choices[0].text for c in streamed if c.choices) == out.choices[0].text
 
 
@@ -116,8 +144,15 @@ def test_models_health_and_metrics_move(client, server):
     models = httpx.get(server.url + "/v1/models", timeout=10).json()
     assert models["data"][0]["id"] == "tiny" and models["data"][0]["max_model_len"] == 4096
     assert httpx.get(server.url + "/health", timeout=10).status_code == 200
-    before = {n: metric(server.url, n) for n in ("prompt_tokens_total", "generation_tokens_total", "mm_cache_queries",
-                                             "time_to_first_token_seconds_count")}  # fmt: skip
+    before = {
+        n: metric(server.url, n)
+        for n in (
+            "prompt_tokens_total",
+            "generation_tokens_total",
+            "mm_cache_queries",
+            "time_to_first_token_seconds_count",
+        )
+    }
     chat(client, image_case([8], "Hi."))
     after = {n: metric(server.url, n) for n in before}
     assert all(after[n] > before[n] for n in before), (before, after)
@@ -202,8 +237,12 @@ def test_bad_requests_get_400_naming_the_problem(server, body, fragment):
 
 
 def test_malformed_json_and_unknown_model(server):
-    r = httpx.post(server.url + "/v1/chat/completions", content=b"{not json", timeout=10,
-                   headers={"content-type": "application/json"})  # fmt: skip
+    r = httpx.post(
+        server.url + "/v1/chat/completions",
+        content=b"{not json",
+        timeout=10,
+        headers={"content-type": "application/json"},
+    )
     assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
     r = post(server, {"model": "gpt-9", "messages": [{"role": "user", "content": "hi"}]})
     assert r.status_code == 404 and "gpt-9" in r.json()["error"]["message"]
@@ -224,10 +263,22 @@ def test_32_concurrent_requests_all_complete(client):
 @pytest.fixture(scope="module")
 def strict_server(tiny_qwen2_vl, tmp_path_factory):
     handle = start_server(
-        tiny_qwen2_vl, "--kv-cache-mb", "16", "--api-key", "s3cret", "--max-request-body-mb", "0.05",
-        "--max-num-seqs", "1", "--max-media-mb", "0.01", "--max-waiting-requests", "0", "--disable-prefix-cache",
+        tiny_qwen2_vl,
+        "--kv-cache-mb",
+        "16",
+        "--api-key",
+        "s3cret",
+        "--max-request-body-mb",
+        "0.05",
+        "--max-num-seqs",
+        "1",
+        "--max-media-mb",
+        "0.01",
+        "--max-waiting-requests",
+        "0",
+        "--disable-prefix-cache",
         log_dir=str(tmp_path_factory.mktemp("logs")),
-    )  # fmt: skip
+    )
     yield handle
     assert handle.stop() == 0
 
@@ -252,8 +303,13 @@ def test_oversize_body_gets_413(strict_server):
 
 
 def _stream_a_long_request(server):
-    body = {"messages": [{"role": "user", "content": "Tell me everything."}], "max_tokens": 3000, "stream": True,
-            "ignore_eos": True, "temperature": 0}  # fmt: skip
+    body = {
+        "messages": [{"role": "user", "content": "Tell me everything."}],
+        "max_tokens": 3000,
+        "stream": True,
+        "ignore_eos": True,
+        "temperature": 0,
+    }
     return httpx.stream("POST", server.url + "/v1/chat/completions", json=body, headers=AUTH, timeout=60)
 
 
@@ -295,3 +351,23 @@ def test_oversize_item_gets_413_naming_the_item(strict_server):
     r = post(strict_server, body, AUTH)
     assert r.status_code == 413, r.text
     assert "image #1" in r.json()["error"]["message"] and "limit" in r.json()["error"]["message"]
+
+
+def test_fields_are_implemented_refused_or_ignored_with_a_warning(client, server):
+    """No request field is accepted and silently ignored: an unimplemented one is a 400 naming it (through
+    the official client's extra_body too); the documented ignore list is served and logged."""
+    with pytest.raises(openai.BadRequestError, match="top_logprobs: not supported"):
+        client.chat.completions.create(
+            model="tiny",
+            messages=[{"role": "user", "content": "hi"}],
+            max_tokens=2,
+            extra_body={"top_logprobs": 3},
+        )
+    out = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2, user="someone"
+    )
+    assert out.choices[0].finish_reason == "length"
+    deadline = time.monotonic() + 5
+    while "accepted and ignored" not in server.log() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert "['user'] accepted and ignored" in server.log()

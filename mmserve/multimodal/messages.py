@@ -15,10 +15,27 @@ from mmserve.multimodal.media import MediaRef
 
 _URL_PARTS = {"image_url": Modality.IMAGE, "video_url": Modality.VIDEO, "audio_url": Modality.AUDIO}
 _ROLES = {"system", "user", "assistant", "tool", "developer"}
+_PART_KEYS = {"text": {"type", "text"}, "input_audio": {"type", "input_audio"}} | {
+    k: {"type", k} for k in _URL_PARTS
+}
+
+
+def _only(obj: dict[str, Any], allowed: set[str], where: str) -> None:
+    """Refuse keys this server does not implement (never accept and ignore them)."""
+    unknown = sorted(set(obj) - allowed)
+    if unknown:
+        raise ValueError(f"{where}: {', '.join(map(repr, unknown))} not supported by this server")
 
 
 def _url_of(part: dict[str, Any], key: str, where: str) -> str:
     value = part.get(key)
+    if isinstance(value, dict):
+        _only(value, {"url", "detail"}, f"{where}.{key}")
+        # OpenAI's image `detail` picks a resolution; here the processor settings do, so only "auto" is honest.
+        if value.get("detail", "auto") != "auto":
+            raise ValueError(
+                f"{where}.{key}.detail: only 'auto' is supported (resolution follows the model's processor)"
+            )
     url = value.get("url") if isinstance(value, dict) else value
     if not isinstance(url, str) or not url:
         raise ValueError(f"{where}: '{key}' must be an object with a non-empty 'url' string")
@@ -35,6 +52,7 @@ def parse_messages(messages: Any) -> tuple[list[dict[str, Any]], list[tuple[Moda
         where = f"messages[{i}]"
         if not isinstance(message, dict):
             raise ValueError(f"{where} must be an object")
+        _only(message, {"role", "content"}, where)
         role = message.get("role")
         if role not in _ROLES:
             raise ValueError(f"{where}.role must be one of {sorted(_ROLES)}, got {role!r}")
@@ -50,6 +68,8 @@ def parse_messages(messages: Any) -> tuple[list[dict[str, Any]], list[tuple[Moda
         for j, part in enumerate(content):
             pwhere = f"{where}.content[{j}]"
             kind = part.get("type") if isinstance(part, dict) else None
+            if isinstance(part, dict) and kind in _PART_KEYS:
+                _only(part, _PART_KEYS[kind], pwhere)
             if kind == "text":
                 if not isinstance(part.get("text"), str):
                     raise ValueError(f"{pwhere}: 'text' must be a string")
@@ -62,6 +82,7 @@ def parse_messages(messages: Any) -> tuple[list[dict[str, Any]], list[tuple[Moda
                 audio = part.get("input_audio")
                 if not isinstance(audio, dict) or not isinstance(audio.get("data"), str):
                     raise ValueError(f"{pwhere}: 'input_audio' must be an object with base64 'data'")
+                _only(audio, {"data", "format"}, f"{pwhere}.input_audio")
                 fmt = audio.get("format") or "wav"
                 media.append((Modality.AUDIO, MediaRef.parse(f"data:audio/{fmt};base64,{audio['data']}")))
                 parts.append({"type": "audio"})

@@ -6,6 +6,7 @@ import asyncio
 import hmac
 import itertools
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -28,6 +29,7 @@ from mmserve.transport import cluster_auth
 from mmserve.transport.cluster_auth import HTTP_HEADER
 from mmserve.transport.messages import MediaItemMsg
 
+logger = logging.getLogger("mmserve.server")
 DISCONNECT_POLL_S = 0.5
 
 # The OpenAI handlers read the raw Request (to answer bad JSON with our own 400), so FastAPI cannot infer
@@ -115,7 +117,8 @@ def build_app(
         problems = []
         for e in err.errors():
             loc = ".".join(str(x) for x in e.get("loc", ()) if x != "body")
-            problems.append(f"{loc or 'body'}: {e.get('msg')}")
+            msg = "not supported by this server" if e.get("type") == "extra_forbidden" else e.get("msg")
+            problems.append(f"{loc or 'body'}: {msg}")
         return error_response(APIError(400, "; ".join(problems) or "invalid request", "invalid_request"))
 
     @app.middleware("http")
@@ -248,6 +251,8 @@ def build_app(
             raise APIError(400, f"prompt has {len(prompt_ids)} tokens; the model's context is {max_model_len}",
                            "context_length_exceeded")  # fmt: skip
         max_tokens_of(body)
+        if ignored := body.ignored_fields():
+            logger.warning("request fields %s accepted and ignored (they cannot change the output)", ignored)
         params = body.sampling_params()
         check_capacity()
         gen = Generation(

@@ -42,6 +42,8 @@ def _default_type(status: int) -> str:
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
     include_usage: bool = False
 
 
@@ -51,8 +53,13 @@ INT64_MAX = 2**63 - 1
 TokenId = Annotated[int, Field(ge=0, le=INT64_MAX)]
 
 
+IGNORED_FIELDS = ("user", "metadata", "store", "service_tier")
+
+
 class _SamplingFields(BaseModel):
-    model_config = ConfigDict(extra="allow")  # unknown OpenAI fields are accepted and ignored, like vLLM
+    # A field this server does not implement is a 400 naming it ("extra_forbidden"), never accepted and
+    # ignored; the few that cannot change the output are declared below (IGNORED_FIELDS) and logged.
+    model_config = ConfigDict(extra="forbid")
 
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
@@ -68,6 +75,15 @@ class _SamplingFields(BaseModel):
     n: int = Field(default=1, ge=1, le=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
+    # Accepted and ignored: they cannot change the output (README, "Request fields").
+    user: str | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+
+    def ignored_fields(self) -> list[str]:
+        """The fields of IGNORED_FIELDS this request set."""
+        return [name for name in IGNORED_FIELDS if getattr(self, name) is not None]
 
     def sampling_params(self) -> SamplingParams:
         """Validated sampling settings; max_tokens None means the rest of the context (the engine resolves
