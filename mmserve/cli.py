@@ -86,7 +86,33 @@ def engine_config_from_args(args: argparse.Namespace):
         mm_processor_kwargs=tuple(_json_arg(args.mm_processor_kwargs, "--mm-processor-kwargs").items()), media=media,
         language_only=getattr(args, "language_only", False), encode_timeout_s=getattr(args, "encode_timeout_s", 60.0),
         max_prompt_tokens=args.max_prompt_tokens, max_mm_pixels_per_prompt=args.max_mm_pixels_per_prompt,
+        embedding_host=getattr(args, "embedding_host", "127.0.0.1"),
+        mooncake_pool_mb=getattr(args, "mooncake_pool_mb", 256.0),
+        embedding_store=embedding_store_config_from_args(args),
     )  # fmt: skip
+
+
+def embedding_store_config_from_args(args: argparse.Namespace):
+    """The --embedding-store* flags as an EmbeddingStoreConfig, or None without --embedding-store."""
+    from mmserve.config import EmbeddingStoreConfig
+    from mmserve.encoder.store_backends import BACKENDS
+
+    if not getattr(args, "embedding_store", None):
+        return None
+    try:
+        cfg = EmbeddingStoreConfig(
+            args.embedding_store,
+            local_host=args.embedding_store_local_host,
+            segment_mb=args.embedding_store_segment_mb,
+            buffer_mb=args.embedding_store_buffer_mb,
+            timeout_s=args.embedding_store_timeout_s,
+            retry_s=args.embedding_store_retry_s,
+        )
+    except ValueError as e:
+        raise SystemExit(f"--embedding-store: {e}") from None
+    if cfg.scheme not in BACKENDS:
+        raise SystemExit(f"--embedding-store: unknown scheme {cfg.scheme!r}; known: {sorted(BACKENDS)}")
+    return cfg
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -99,9 +125,13 @@ def _serve(args: argparse.Namespace) -> int:
         host=args.host, port=args.port, served_model_name=args.served_model_name or args.model,
         api_key=args.api_key, limit_mm_per_prompt=tuple((k, int(v)) for k, v in limits.items()),
         max_waiting_requests=args.max_waiting_requests, max_request_body_bytes=int(args.max_request_body_mb * 2**20),
+        cache_salt_required=args.cache_salt_required,
+        enable_mm_embeds=args.enable_mm_embeds, max_mm_embeds_bytes=int(args.max_media_mb * 2**20),
         log_level=args.log_level, encoder_urls=tuple(args.encoder_urls or ()), encoder_workers=args.encoder_workers,
         encoder_routing=args.encoder_routing, encoder_probe_interval_s=args.encoder_probe_interval_s,
         encoder_probe_timeout_s=args.encoder_probe_timeout_s, cluster_secret=_cluster_secret(args),
+        encoder_transport=args.encoder_transport, encoder_dispatch_min_items=args.encoder_dispatch_min_items,
+        enable_anonymous_registration=args.enable_anonymous_registration,
     )  # fmt: skip
     return serve(server_cfg, engine_config_from_args(args))
 
@@ -115,10 +145,10 @@ def _encoder(args: argparse.Namespace) -> int:
         model=resolve_model_path(args.model), host=args.host, port=args.port, dtype=args.dtype, device=args.device,
         max_batch_items=args.max_batch_items, max_batch_wait_ms=args.max_batch_wait_ms, max_pending=args.max_pending,
         embedding_cache_mb=args.embedding_cache_mb, register_urls=tuple(args.register_url or ()),
-        register_interval_s=args.register_interval_s,
-        advertise_url=args.advertise_url, media=media_config_from_args(args),
+        register_interval_s=args.register_interval_s, shm_pool_mb=args.shm_pool_mb,
+        mooncake_pool_mb=args.mooncake_pool_mb, advertise_url=args.advertise_url, media=media_config_from_args(args),
         mm_processor_kwargs=tuple(_json_arg(args.mm_processor_kwargs, "--mm-processor-kwargs").items()),
-        cluster_secret=_cluster_secret(args),
+        cluster_secret=_cluster_secret(args), embedding_store=embedding_store_config_from_args(args),
     )  # fmt: skip
     return serve_encoder(cfg, args.log_level)
 
@@ -137,6 +167,47 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cluster-secret", default=None,
                    help="shared secret of encoders and language servers (>= 16 bytes; prefer the "
                         "MMSERVE_CLUSTER_SECRET environment variable: argv is visible to other users)")  # fmt: skip
+
+
+def add_embedding_store_args(p: argparse.ArgumentParser) -> None:
+    from mmserve.config import EmbeddingStoreConfig as C
+
+    p.add_argument(
+        "--embedding-store",
+        default=None,
+        metavar="mooncake://HOST:PORT",
+        help="global embedding store (a Mooncake master) shared by every instance pointed at it, "
+        "consulted after the local embedding cache",
+    )
+    p.add_argument(
+        "--embedding-store-local-host",
+        default=C.local_host,
+        help="address other instances reach this process's store segment at",
+    )
+    p.add_argument(
+        "--embedding-store-segment-mb",
+        type=float,
+        default=C.segment_mb,
+        help="memory this process contributes to the store",
+    )
+    p.add_argument(
+        "--embedding-store-buffer-mb",
+        type=float,
+        default=C.buffer_mb,
+        help="transfer buffer; bounds the size of one entry",
+    )
+    p.add_argument(
+        "--embedding-store-timeout-s",
+        type=float,
+        default=C.timeout_s,
+        help="give up on one store get/put after this (the item is encoded locally)",
+    )
+    p.add_argument(
+        "--embedding-store-retry-s",
+        type=float,
+        default=C.retry_s,
+        help="after a failure, leave the store alone this long",
+    )
 
 
 def add_media_args(p: argparse.ArgumentParser) -> None:
@@ -195,6 +266,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from mmserve.config import ServerConfig
+
     parser = argparse.ArgumentParser(
         prog="mmserve", description="Multimodal LLM serving with EPD disaggregation"
     )
@@ -218,6 +291,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
     p.add_argument("--max-waiting-requests", type=int, default=256)
     p.add_argument("--max-request-body-mb", type=float, default=64)
+    p.add_argument(
+        "--cache-salt-required",
+        action="store_true",
+        help="refuse (400) requests without a cache_salt, so every cache hit stays in its tenant's scope",
+    )
+    p.add_argument(
+        "--enable-mm-embeds",
+        action="store_true",
+        help="accept precomputed embeddings as content parts (image_embeds, video_embeds, audio_embeds)",
+    )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument(
         "--encoder-urls", nargs="*", default=None, help="encoder services to dispatch media to (EPD)"
@@ -236,7 +319,33 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--encoder-probe-interval-s", type=float, default=5.0)
     p.add_argument("--encoder-probe-timeout-s", type=float, default=2.0)
+    p.add_argument(
+        "--encoder-transport",
+        default="auto",
+        choices=["auto", "tcp", "shm", "mooncake"],
+        help="how encoders send embeddings here: auto = shared memory for --encoder-workers, tcp for others",
+    )
+    p.add_argument(
+        "--encoder-dispatch-min-items",
+        type=int,
+        default=ServerConfig.encoder_dispatch_min_items,
+        help="requests with fewer media items are encoded by this server's own tower (when it has one); "
+        "0 sends every request to the encoders",
+    )
+    p.add_argument(
+        "--embedding-host",
+        default="127.0.0.1",
+        help="address the embedding receivers bind (for remote encoders)",
+    )
+    p.add_argument("--mooncake-pool-mb", type=float, default=256.0, help="Mooncake transfer landing pool")
+    add_embedding_store_args(p)
     add_cluster_args(p)
+    p.add_argument(
+        "--enable-anonymous-registration",
+        action="store_true",
+        help="without a cluster secret, open /register_encoder, /unregister_encoder and /encoders to anyone "
+        "who can reach the port (they could redirect users' media); ignored when a secret is set",
+    )
     p.set_defaults(func=_serve)
 
     p = sub.add_parser("encoder", help="standalone encoder service (tower weights only: vision or audio)")
@@ -252,8 +361,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--register-url", nargs="*", default=None, help="language servers to register with")
     p.add_argument("--register-interval-s", type=float, default=5.0, help="registration heartbeat period")
     p.add_argument("--advertise-url", default=None, help="URL servers use to reach this encoder")
+    p.add_argument("--shm-pool-mb", type=float, default=256.0, help="shared-memory pool per engine (shm://)")
+    p.add_argument("--mooncake-pool-mb", type=float, default=256.0, help="Mooncake transfer staging pool")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     add_media_args(p)
+    add_embedding_store_args(p)
     add_cluster_args(p)
     p.set_defaults(func=_encoder)
 

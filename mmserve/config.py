@@ -51,6 +51,43 @@ class MediaConfig:
 
 
 @dataclass(frozen=True)
+class EmbeddingStoreConfig:
+    """`--embedding-store`: a global embedding store (mmserve.encoder.embedding_store) shared by every
+    instance pointed at the same master, consulted after the local embedding cache and before the tower."""
+
+    url: str  # mooncake://HOST:PORT, the Mooncake master's RPC address
+    local_host: str = "127.0.0.1"  # where other instances reach this process's segment
+    segment_mb: float = 512.0  # memory this process contributes to the store; its entries live there
+    buffer_mb: float = 64.0  # this process's transfer buffer: bounds the size of one entry
+    timeout_s: float = 1.0  # one get or put; past it the item is encoded locally (counted as an error)
+    retry_s: float = 10.0  # after a failed setup or call, the store is left alone this long
+    put_queue_items: int = 64  # entries waiting to be written in the background; more are dropped
+
+    def __post_init__(self) -> None:
+        from urllib.parse import urlsplit
+
+        parts = urlsplit(self.url)
+        try:
+            port = parts.port
+        except ValueError:
+            port = None
+        if not parts.scheme or not parts.hostname or port is None or parts.path not in ("", "/"):
+            raise ValueError(f"embedding store URL must look like mooncake://HOST:PORT, got {self.url!r}")
+        for name in ("segment_mb", "buffer_mb", "timeout_s", "retry_s", "put_queue_items"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"embedding store {name} must be > 0")
+
+    @property
+    def scheme(self) -> str:
+        return self.url.split("://", 1)[0]
+
+    @property
+    def address(self) -> str:
+        """HOST:PORT of the master."""
+        return self.url.split("://", 1)[1].rstrip("/")
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """What the serving code needs to know about a checkpoint, read once from its HF config."""
 
@@ -106,6 +143,12 @@ class EngineConfig:
     # Per-request limits, checked when the request is admitted (after media expansion), in every mode.
     max_prompt_tokens: int | None = None  # prompt length with media tokens; None: the context length
     max_mm_pixels_per_prompt: int | None = None  # model-input pixels over all items (after resizing)
+    # Transports the engine receives embedding parts on (mmserve.transport.channel): "tcp" always, "shm" for
+    # encoders on this host, "mooncake" for Mooncake's transfer engine. Receivers bind on embedding_host.
+    embedding_transports: tuple[str, ...] = ("tcp",)
+    embedding_host: str = "127.0.0.1"
+    mooncake_pool_mb: float = 256.0  # the engine's landing pool for Mooncake transfers
+    embedding_store: EmbeddingStoreConfig | None = None  # global embedding store of the local encoder
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1:
@@ -133,6 +176,13 @@ class ServerConfig:
     limit_mm_per_prompt: tuple[tuple[str, int], ...] = (("image", 8), ("video", 1), ("audio", 4))
     max_waiting_requests: int = 256  # beyond running + this many queued, new requests get 503
     max_request_body_bytes: int = 64 * 1024 * 1024
+    # Refuse (400) chat / completion requests without a `cache_salt`, so that no request can share a cache
+    # hit outside its tenant's scope (mmserve.engine.cache_salt).
+    cache_salt_required: bool = False
+    # Accept precomputed embeddings as content parts (`image_embeds` ...; mmserve.multimodal.precomputed). Off
+    # by default: the client then chooses what the language model sees; every part is checked either way.
+    enable_mm_embeds: bool = False
+    max_mm_embeds_bytes: int = 32 * 1024 * 1024  # per precomputed item, decoded (set from --max-media-mb)
     engine_start_timeout_s: float = 600.0
     log_level: str = "info"
     encoder_urls: tuple[str, ...] = ()  # static encoder services (EPD)
@@ -142,12 +192,27 @@ class ServerConfig:
     encoder_probe_timeout_s: float = 2.0
     encoder_failure_threshold: int = 3
     encoder_drop_after_s: float = 300.0
-    # Shared with encoders (see mmserve.transport.cluster_auth); None: internal routes are unauthenticated.
+    # How encoders send parts to this engine: "auto" (shared memory for --encoder-workers, tcp for the rest),
+    # or one of "tcp", "shm" (every encoder on this host), "mooncake".
+    encoder_transport: str = "auto"
+    # Requests with fewer media items than this are encoded by the engine's own tower, when it has one: for
+    # one small item the round trip to an encoder costs more than it saves (measured: docs/benchmarks.md).
+    encoder_dispatch_min_items: int = 0
+    # Shared with encoders (see mmserve.transport.cluster_auth). With it, the control plane
+    # (/register_encoder, /unregister_encoder, /encoders) requires its token; without it, the control plane
+    # is closed unless `enable_anonymous_registration`: anyone reaching the port could otherwise send other
+    # users' media to an encoder of their choosing, or read the internal endpoints.
     cluster_secret: str | None = field(default=None, repr=False)
+    enable_anonymous_registration: bool = False  # ignored when a cluster secret is set
 
     @property
     def mm_limits(self) -> dict[str, int]:
         return dict(self.limit_mm_per_prompt)
+
+    @property
+    def anonymous_control_plane(self) -> bool:
+        """The control-plane routes answer callers without a token (no secret, and the operator opted in)."""
+        return self.enable_anonymous_registration and not self.cluster_secret
 
 
 @dataclass(frozen=True)
@@ -164,12 +229,15 @@ class EncoderConfig:
     max_pending: int = 64  # jobs queued or running; more get 503
     embedding_cache_mb: float = 1024.0
     send_timeout_s: float = 5.0  # pushing a part to an engine
+    shm_pool_mb: float = 256.0  # shared-memory pool per engine this encoder sends to (shm://)
+    mooncake_pool_mb: float = 256.0  # staging pool registered with Mooncake's transfer engine (mooncake://)
     register_urls: tuple[str, ...] = ()  # language servers to register with (and heartbeat)
     register_interval_s: float = 5.0
     advertise_url: str | None = None  # the URL servers should call; default http://host:port
     mm_processor_kwargs: tuple[tuple[str, object], ...] = ()
     media: MediaConfig = MediaConfig()
     cluster_secret: str | None = field(default=None, repr=False)  # see mmserve.transport.cluster_auth
+    embedding_store: EmbeddingStoreConfig | None = None  # global embedding store (after the cache)
 
     @property
     def url(self) -> str:

@@ -14,6 +14,7 @@ from typing import Any
 
 from mmserve.config import EngineConfig, MediaConfig
 from mmserve.encoder.runner import EncodeTimings, MediaInput, build_encoder
+from mmserve.engine.cache_salt import check_cache_salt
 from mmserve.engine.detokenizer import IncrementalDetokenizer
 from mmserve.engine.engine import BatchFailed, Engine
 from mmserve.engine.sampling_params import SamplingParams
@@ -21,6 +22,7 @@ from mmserve.models.loader import load_tokenizer, resolve_model_path
 from mmserve.multimodal.items import Modality
 from mmserve.multimodal.media import MediaRef
 from mmserve.multimodal.messages import parse_messages
+from mmserve.multimodal.precomputed import EmbedsRef, build_item
 
 logger = logging.getLogger("mmserve")
 
@@ -91,20 +93,28 @@ class LLM:
         self._ids = itertools.count()
 
     # -- public API -----------------------------------------------------------------------------
-    def chat(self, conversations: list, sampling_params: SamplingParams | list[SamplingParams] | None = None):
-        """One output per conversation (a list of OpenAI-style messages), in order."""
+    def chat(
+        self,
+        conversations: list,
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        cache_salt: str | None = None,
+    ):
+        """One output per conversation (a list of OpenAI-style messages), in order. `cache_salt` scopes the
+        cache hits of every conversation of this call (mmserve.engine.cache_salt)."""
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
         prompts = []
         for messages in conversations:
             template, media = parse_messages(messages)
             text = self.tokenizer.apply_chat_template(template, add_generation_prompt=True, tokenize=False)
-            prompts.append((self.tokenizer(text, add_special_tokens=False)["input_ids"], media))
+            prompts.append((self.tokenizer(text, add_special_tokens=False)["input_ids"], media, cache_salt))
         return self._run(prompts, sampling_params)
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None):
-        """Raw prompts: strings, token id lists, or {"prompt" | "prompt_token_ids", "multi_modal_data"}.
+        """Raw prompts: strings, token id lists, or {"prompt" | "prompt_token_ids", "multi_modal_data",
+        "cache_salt"}.
 
+        `cache_salt` (optional, as in vLLM) scopes the prompt's cache hits (mmserve.engine.cache_salt).
         `multi_modal_data` maps "image" / "video" / "audio" to one item or a list (URL strings, bytes, PIL
         images, `(samples, sample_rate)` audio); the prompt must hold one placeholder token per item.
         """
@@ -123,27 +133,43 @@ class LLM:
             for key, values in (prompt.get("multi_modal_data") or {}).items():
                 values = values if isinstance(values, list) else [values]
                 media.extend((Modality(key), _media_ref(v)) for v in values)
-            prepared.append((list(ids), media))
+            prepared.append((list(ids), media, prompt.get("cache_salt")))
         return self._run(prepared, sampling_params)
 
     # -- the loop -------------------------------------------------------------------------------
-    def encode(self, media: list[tuple[Modality, MediaRef]]) -> tuple[list, EncodeTimings]:
-        """Encode one prompt's media (in order) with the local encoder. Raises MediaError naming the item."""
+    def encode(
+        self, media: list[tuple[Modality, MediaRef | EmbedsRef]], cache_salt: str | None = None
+    ) -> tuple[list, EncodeTimings]:
+        """Encode one prompt's media (in order) with the local encoder, hashed with `cache_salt`; precomputed
+        embeddings (`image_embeds` ... parts) are checked against the family instead. Raises MediaError
+        naming the item."""
         timings = EncodeTimings()
         if not media:
             return [], timings
-        if self.encoder is None:
+        family = self.engine.family
+        pairs = list(zip(media, family.item_settings([mod for mod, _ in media]), strict=True))
+        inputs = [
+            MediaInput(mod, ref, s, cache_salt) for (mod, ref), s in pairs if not isinstance(ref, EmbedsRef)
+        ]
+        if inputs and self.encoder is None:
             raise ValueError("this LLM was built with language_only=True and cannot encode media")
-        settings = self.engine.family.item_settings([mod for mod, _ in media])
-        inputs = [MediaInput(mod, ref, s) for (mod, ref), s in zip(media, settings, strict=True)]
-        return self.encoder.encode_all(inputs, timings, self.engine.cfg.max_mm_pixels_per_prompt), timings
+        limit = self.engine.cfg.max_mm_pixels_per_prompt
+        encoded = iter(self.encoder.encode_all(inputs, timings, limit) if inputs else [])
+        max_bytes = self.engine.cfg.media.max_media_bytes
+        items = [
+            build_item(family, mod, ref, s, max_bytes, cache_salt)
+            if isinstance(ref, EmbedsRef)
+            else next(encoded)
+            for (mod, ref), s in pairs
+        ]
+        return items, timings
 
     def check_integrity(self) -> None:
         self.engine.check_integrity()
         if self.encoder is not None:
             self.encoder.check_integrity()
 
-    def _run(self, prompts: list[tuple[list[int], list]], sampling_params) -> list[RequestOutput]:
+    def _run(self, prompts: list[tuple[list[int], list, str | None]], sampling_params) -> list[RequestOutput]:
         params = (
             sampling_params
             if isinstance(sampling_params, list)
@@ -153,10 +179,11 @@ class LLM:
             raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
         order, detoks, reqs = [], {}, {}
         try:
-            for (ids, media), p in zip(prompts, params, strict=True):
+            for (ids, media, salt), p in zip(prompts, params, strict=True):
                 rid = f"llm-{next(self._ids)}"
-                items, timings = self.encode(media)
-                reqs[rid] = self.engine.add_request(rid, ids, p, items)
+                check_cache_salt(salt)  # before encoding: the salt enters every item's hash
+                items, timings = self.encode(media, salt)
+                reqs[rid] = self.engine.add_request(rid, ids, p, items, cache_salt=salt)
                 reqs[rid].encode_timings = timings
                 detoks[rid] = IncrementalDetokenizer(self.tokenizer, p)
                 order.append(rid)

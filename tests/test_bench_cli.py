@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
 from mmserve.bench.server_metrics import breakdown, scrape_text
+from mmserve.transport.cluster_auth import ENV_VAR
 
 BEFORE = """
 mmserve:request_queue_time_seconds_sum{model_name="m"} 1.0
@@ -33,18 +35,21 @@ def test_breakdown_uses_deltas():
     assert out["encode_s_mean"] is None  # nothing measured
 
 
-def run_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "mmserve.cli", *args], capture_output=True, text=True, timeout=timeout
-    )
+def run_cli(*args: str, timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:
+    cmd, env = [sys.executable, "-m", "mmserve.cli", *args], {**os.environ, **(env or {})}
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
 
 
 def test_bench_run_against_a_launched_server(tiny_qwen2_vl, tmp_path):
     out = tmp_path / "bench.json"
     proc = run_cli("bench", "--launch", "--kv-cache-mb 16 --encoder-workers 1", "--model", tiny_qwen2_vl,
                    "--num-requests", "8", "--image-size", "64x64,96x64", "--image-reuse", "0.5",
-                   "--output-tokens", "6", "--concurrency", "4", "--slo", "ttft_ms=60000", "--json", str(out))  # fmt: skip
+                   "--output-tokens", "6", "--concurrency", "4", "--slo", "ttft_ms=60000", "--json", str(out),
+                   env={ENV_VAR: "bench test secret, 16+ bytes"})  # fmt: skip
+    # The secret reaches the launched server and the bench's /encoders call (the control plane needs its
+    # token): the encoders' side of the breakdown (transfer time) is measured.
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "encoders not scraped" not in proc.stderr
     result = json.loads(out.read_text())
     assert result["ok"] == result["total"] == 8 and result["errors_by_status"] == {}
     for key in ("ttft_s", "itl_s", "tpot_s", "e2e_s"):

@@ -19,6 +19,7 @@ from tests.engine_helpers import image_case, reference_text
 SECRET = "correct horse battery staple"
 OTHER = "another secret, sixteen+ bytes"
 MAX_NEW = 6
+CONTROL_PLANE = (("POST", "/register_encoder"), ("POST", "/unregister_encoder"), ("GET", "/encoders"))
 
 
 def part(rid: str = "req-1", value: float = 1.0) -> list:
@@ -140,18 +141,18 @@ def test_secured_epd_matches_hf(secured, tiny_qwen2_vl):
 
 
 def test_internal_routes_require_the_cluster_token(secured):
-    encoders = httpx.get(secured.url + "/encoders", timeout=10).json()
+    token = ClusterSecret(SECRET.encode()).token
+    encoders = httpx.get(secured.url + "/encoders", headers={HTTP_HEADER: token}, timeout=10).json()
     worker = encoders["encoders"][0]["url"]
     job = {"request_id": "x", "part_index": 0, "num_parts": 1, "reply_endpoint": encoders["embedding_endpoint"],
            "items": [{"item_index": 0, "modality": "image", "url": "data:,"}]}  # fmt: skip
-    token = ClusterSecret(SECRET.encode()).token
     wrong = ClusterSecret(OTHER.encode()).token
     for headers in ({}, {HTTP_HEADER: wrong}, {HTTP_HEADER: SECRET}):
         r = httpx.post(worker + "/encode", json=job, headers=headers, timeout=10)
         assert r.status_code == 401 and HTTP_HEADER in r.json()["error"]["message"]
-        for route in ("/register_encoder", "/unregister_encoder"):
-            r = httpx.post(
-                secured.url + route, json={"url": "http://127.0.0.1:9"}, headers=headers, timeout=10
+        for method, route in CONTROL_PLANE:
+            r = httpx.request(
+                method, secured.url + route, json={"url": "http://127.0.0.1:9"}, headers=headers, timeout=10
             )
             assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_cluster_token"
     assert httpx.get(worker + "/health", timeout=30).status_code == 200  # health stays open
@@ -164,9 +165,10 @@ def test_internal_routes_require_the_cluster_token(secured):
 
 
 def test_forged_tampered_and_replayed_parts_are_dropped_and_counted(secured):
-    endpoint = httpx.get(secured.url + "/encoders", timeout=10).json()["embedding_endpoint"]
-    before = auth_counts(secured.url)
     secret = ClusterSecret(SECRET.encode())
+    listing = httpx.get(secured.url + "/encoders", headers=secret.headers, timeout=10).json()
+    endpoint = listing["embedding_endpoint"]
+    before = auth_counts(secured.url)
     signed = secret.sign(part("replayed-request"))
     tampered = list(secret.sign(part("tampered-request")))
     tampered[1] = bytes(32) + tampered[1][32:]

@@ -14,6 +14,7 @@ import zmq
 
 from mmserve.testing.probes import metric, open_fds
 from mmserve.testing.server_process import free_port, start_encoder, start_server
+from mmserve.transport.cluster_auth import ENV_VAR, ClusterSecret
 from tests.engine_helpers import image_case, reference_text, video_case
 
 MAX_NEW = 8
@@ -43,8 +44,10 @@ def content(r: httpx.Response) -> str:
 # -- two local encoder workers (spawned by the server) ----------------------------------------------------
 @pytest.fixture(scope="module")
 def epd2(tiny_qwen2_vl, logs):
+    # Anonymous control plane (loopback only): the tests read /encoders for encoder URLs and counters.
     handle = start_server(tiny_qwen2_vl, "--kv-cache-mb", "16", "--encoder-workers", "2",
-                          "--mm-processor-kwargs", MM_KWARGS, log_dir=logs)  # fmt: skip
+                          "--mm-processor-kwargs", MM_KWARGS, "--enable-anonymous-registration",
+                          log_dir=logs)  # fmt: skip
     yield handle
     assert handle.stop() == 0
 
@@ -186,7 +189,8 @@ def test_faulty_encoder_fails_over_to_a_healthy_one(tiny_qwen2_vl, expected, log
     real = start_encoder(tiny_qwen2_vl, "--mm-processor-kwargs", MM_KWARGS, log_dir=logs)
     server = start_server(tiny_qwen2_vl, "--kv-cache-mb", "16", "--language-only", "--encode-timeout-s", "9",
                           "--encoder-urls", fake.url, real.url, "--encoder-routing", "round_robin",
-                          "--disable-prefix-cache", "--mm-processor-kwargs", MM_KWARGS, log_dir=logs)  # fmt: skip
+                          "--disable-prefix-cache", "--mm-processor-kwargs", MM_KWARGS,
+                          "--enable-anonymous-registration", log_dir=logs)  # fmt: skip
     try:
         start = time.monotonic()
         for seed in (50, 51):  # round robin: one of the two goes to the faulty encoder first
@@ -254,12 +258,18 @@ def test_killed_encoders_fall_back_to_local_encoding(tiny_qwen2_vl, expected, lo
 
 
 def test_registration_unregistration_and_server_restart(tiny_qwen2_vl, expected, logs):
+    """Runtime registration as deployed: server and encoder share a cluster secret, and every control-plane
+    call carries its token (the anonymous mode is covered in tests/test_control_plane.py)."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    enc = start_encoder(tiny_qwen2_vl, "--register-url", url, "--register-interval-s", "0.5", log_dir=logs)
+    secret = {ENV_VAR: "registration test secret, 16+ bytes"}
+    auth = ClusterSecret(secret[ENV_VAR].encode()).headers
+    enc = start_encoder(tiny_qwen2_vl, "--register-url", url, "--register-interval-s", "0.5", log_dir=logs,
+                        env=secret)  # fmt: skip
 
     def registered(server) -> list[str]:
-        return [e["url"] for e in httpx.get(server.url + "/encoders", timeout=10).json()["encoders"]]
+        listing = httpx.get(server.url + "/encoders", headers=auth, timeout=10).json()
+        return [e["url"] for e in listing["encoders"]]
 
     def wait_for(predicate, what: str, timeout_s: float = 20) -> None:
         deadline = time.monotonic() + timeout_s
@@ -267,20 +277,24 @@ def test_registration_unregistration_and_server_restart(tiny_qwen2_vl, expected,
             assert time.monotonic() < deadline, what
             time.sleep(0.2)
 
-    server = start_server(tiny_qwen2_vl, "--kv-cache-mb", "16", "--language-only", port=port, log_dir=logs)
+    server = start_server(
+        tiny_qwen2_vl, "--kv-cache-mb", "16", "--language-only", port=port, log_dir=logs, env=secret
+    )
     try:
         wait_for(lambda: registered(server) == [enc.url], "encoder did not register")
         case = image_case([90], "Registered?")
         assert content(chat(server.url, case)) == expected(case)
-        assert httpx.post(url + "/unregister_encoder", json={"url": enc.url}, timeout=10).status_code == 200
+        r = httpx.post(url + "/unregister_encoder", json={"url": enc.url}, headers=auth, timeout=10)
+        assert r.status_code == 200
         time.sleep(1.5)  # several heartbeats: an explicit unregister is never revived by them
         assert registered(server) == []
         assert chat(server.url, image_case([91], "Now?")).status_code == 503
-        assert httpx.post(url + "/register_encoder", json={"url": enc.url}, timeout=10).status_code == 200
+        r = httpx.post(url + "/register_encoder", json={"url": enc.url}, headers=auth, timeout=10)
+        assert r.status_code == 200
         assert registered(server) == [enc.url]
         assert server.stop() == 0
         server = start_server(
-            tiny_qwen2_vl, "--kv-cache-mb", "16", "--language-only", port=port, log_dir=logs
+            tiny_qwen2_vl, "--kv-cache-mb", "16", "--language-only", port=port, log_dir=logs, env=secret
         )
         wait_for(lambda: registered(server) == [enc.url], "encoder did not re-register after the restart")
         assert content(chat(server.url, case)) == expected(case)

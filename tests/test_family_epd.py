@@ -56,6 +56,7 @@ def epd(request, tiny_model, logs):
     server = start_server(
         model_dir,
         *server_args(arch, "--language-only", "--encoder-workers", "2", "--encoder-routing", "round_robin"),
+        "--enable-anonymous-registration",  # loopback only: the tests list and register encoders
         log_dir=logs,
     )
     yield arch, model_dir, server

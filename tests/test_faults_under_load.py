@@ -95,7 +95,8 @@ def test_encoder_hung_then_another_killed_mid_load(tiny_qwen2_vl, logs, expected
         a, b = pool.map(lambda _: start_encoder(tiny_qwen2_vl, log_dir=logs), range(2))
     server = start_server(tiny_qwen2_vl, "--kv-cache-mb", "16", "--language-only", "--encoder-urls", a.url, b.url,
                           "--encoder-routing", "round_robin", "--encode-timeout-s", "9",
-                          "--encoder-probe-interval-s", "0.5", log_dir=logs)  # fmt: skip
+                          "--encoder-probe-interval-s", "0.5", "--enable-anonymous-registration",
+                          log_dir=logs)  # fmt: skip
     try:
         outs = run_with_fault(server.url, lambda: os.kill(a.proc.pid, signal.SIGSTOP), at_request=10,
                               num_requests=24, first_seed=1000)  # fmt: skip

@@ -82,7 +82,8 @@ def test_encoder_burst_beyond_max_pending_falls_back_to_local_encoding(tiny_qwen
     and every answer equals the HF reference, whichever side encoded it."""
     expected = reference_text(tiny_qwen2_vl, 6)
     enc = start_encoder(tiny_qwen2_vl, "--max-pending", "1", "--max-batch-wait-ms", "300", log_dir=logs)
-    server = start_server(tiny_qwen2_vl, "--kv-cache-mb", "16", "--encoder-urls", enc.url, log_dir=logs)
+    server = start_server(tiny_qwen2_vl, "--kv-cache-mb", "16", "--encoder-urls", enc.url,
+                          "--enable-anonymous-registration", log_dir=logs)  # fmt: skip
     try:
         n, max_new = 12, 6
         calls = [chat_call(300 + i, max_new, text="Who encoded me?") for i in range(n)]

@@ -106,7 +106,7 @@ def settled(url: str, timeout_s: float = 30.0) -> dict:
 
 def soak(model_dir: str, log_dir: str, duration_s: float) -> dict:
     server = start_server(model_dir, "--kv-cache-mb", "2", "--embedding-cache-mb", "1", "--encoder-workers", "2",
-                          log_dir=log_dir)  # fmt: skip
+                          "--enable-anonymous-registration", log_dir=log_dir)  # fmt: skip
     try:
         pids = process_tree(server.proc.pid)
         roles = sorted(s.role for s in sample(pids))

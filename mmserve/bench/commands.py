@@ -97,7 +97,19 @@ def _epd(args: argparse.Namespace) -> int:
     from mmserve.bench.workload import parse_size
 
     configs = {name: shlex.split(flags) for name, _, flags in (spec.partition("=") for spec in args.config)}
-    print(epd_bench.report(epd_bench.run(args.model, configs, args.rounds, parse_size(args.image_size))))
+    results = epd_bench.run(args.model, configs, args.rounds, parse_size(args.image_size), images=args.images)
+    print(epd_bench.report(results))
+    return 0
+
+
+def _transfer(args: argparse.Namespace) -> int:
+    from mmserve.transport.throughput import PATHS, measure
+
+    print(f"{'MiB':>6} " + " ".join(f"{p:>11}" for p in PATHS) + "   GB/s; shm / memcpy")
+    for size in (float(s) for s in args.sizes_mb.split(",")):
+        rates = measure(size, args.repeats, args.rounds)
+        cells = " ".join(f"{rates[p]:>11.2f}" for p in PATHS)
+        print(f"{size:>6g} {cells}   {rates['shm'] / rates['memcpy']:.2f}x", flush=True)
     return 0
 
 
@@ -168,7 +180,16 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--config", action="append", required=True, help='NAME="serve flags"; ratios vs the first')
     p.add_argument("--rounds", type=int, default=10)
     p.add_argument("--image-size", default="448x448", help="WxH")
+    p.add_argument(
+        "--images", type=int, default=1, help="images per request (the adaptive-dispatch crossover)"
+    )
     p.set_defaults(func=_epd)
+
+    p = bench.add_parser("transfer", help="embedding transports (tcp, ipc, shm, Mooncake) vs memcpy, one run")
+    p.add_argument("--sizes-mb", default="1,16,64", help="comma-separated part sizes")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--rounds", type=int, default=3)
+    p.set_defaults(func=_transfer)
 
 
 def default_subcommand(argv: list[str]) -> list[str]:

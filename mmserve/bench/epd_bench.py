@@ -1,8 +1,8 @@
 """`mmserve bench epd`: TTFT of EPD vs monolithic on one light request, side by side in one run.
 
 Launches the configurations as real servers (`mmserve serve ...` subprocesses on loopback), then sends
-the same workload to each in alternation: one request at a time, one freshly generated image per request
-(so no cache hit), a short prompt and one output token; TTFT is measured by the client as the time to the
+the same workload to each in alternation: one request at a time, `images` freshly generated images per
+request (so no cache hit), a short prompt and one output token; TTFT is measured by the client as the time to the
 first streamed content chunk. Reports the median per configuration and the ratio to the first.
 """
 
@@ -26,10 +26,16 @@ def _uri(seed: int, size: tuple[int, int]) -> str:
     return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
 
 
-def ttft(url: str, image_uri: str, timeout_s: float = 300.0) -> float:
-    body = {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": image_uri}},
-                                                      {"type": "text", "text": "What is this?"}]}],
-            "max_tokens": 2, "temperature": 0, "stream": True, "ignore_eos": True}  # fmt: skip
+def ttft(url: str, image_uris: list[str], timeout_s: float = 300.0) -> float:
+    images = [{"type": "image_url", "image_url": {"url": uri}} for uri in image_uris]
+    content = [*images, {"type": "text", "text": "What is this?"}]
+    body = {
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": 2,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,
+    }
     start = time.perf_counter()
     with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=timeout_s) as r:
         r.raise_for_status()
@@ -40,7 +46,7 @@ def ttft(url: str, image_uri: str, timeout_s: float = 300.0) -> float:
 
 
 def run(model_dir: str, configs: dict[str, list[str]], rounds: int, image_size: tuple[int, int],
-        warmup: int = 2) -> dict[str, list[float]]:  # fmt: skip
+        warmup: int = 2, images: int = 1) -> dict[str, list[float]]:  # fmt: skip
     results: dict[str, list[float]] = {name: [] for name in configs}
     with tempfile.TemporaryDirectory() as logs:
         servers = {
@@ -51,8 +57,8 @@ def run(model_dir: str, configs: dict[str, list[str]], rounds: int, image_size: 
             seed = 10_000
             for r in range(warmup + rounds):
                 for name, server in servers.items():
-                    seed += 1
-                    t = ttft(server.url, _uri(seed, image_size))
+                    seed += images
+                    t = ttft(server.url, [_uri(seed + i, image_size) for i in range(images)])
                     if r >= warmup:
                         results[name].append(t)
                         print(f"round {r - warmup + 1} {name:<14} TTFT {1000 * t:8.1f} ms", flush=True)

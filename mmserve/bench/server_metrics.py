@@ -7,8 +7,12 @@ run. Everything is computed from deltas, so earlier traffic (warm-up, other runs
 
 from __future__ import annotations
 
+import sys
+
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
+
+from mmserve.transport import cluster_auth
 
 # (label in the report, histogram name without the `mmserve:` prefix)
 STAGES = (
@@ -28,16 +32,27 @@ def scrape_text(text: str) -> dict[str, float]:
     return values
 
 
+def listed_encoders(http: httpx.Client, url: str) -> list[dict]:
+    """The server's encoders from `/encoders`, part of its control plane: that needs the cluster token (taken
+    from $MMSERVE_CLUSTER_SECRET, which a server launched by the bench inherits too) or a server started with
+    --enable-anonymous-registration. Refused: none, and a note on stderr says why."""
+    secret = cluster_auth.resolve_secret(None)
+    try:
+        r = http.get(url + "/encoders", headers=secret.headers if secret else None)
+        if r.status_code in (401, 403):
+            hint = f"set {cluster_auth.ENV_VAR} or launch with --enable-anonymous-registration"
+            print(f"bench: encoders not scraped: /encoders said {r.status_code} ({hint})", file=sys.stderr)
+        return r.json().get("encoders", []) if r.status_code == 200 else []
+    except (httpx.HTTPError, ValueError):
+        return []
+
+
 def scrape(url: str, timeout_s: float = 10.0) -> dict[str, dict[str, float]]:
     """{"server": metrics, "encoders": summed metrics of every registered encoder} for a server URL."""
     with httpx.Client(timeout=timeout_s) as http:
         server = scrape_text(http.get(url + "/metrics").text)
         encoders: dict[str, float] = {}
-        try:
-            listed = http.get(url + "/encoders").json().get("encoders", [])
-        except (httpx.HTTPError, ValueError):
-            listed = []
-        for enc in listed:
+        for enc in listed_encoders(http, url):
             try:
                 for name, value in scrape_text(http.get(enc["url"] + "/metrics").text).items():
                     encoders[name] = encoders.get(name, 0.0) + value

@@ -1,7 +1,9 @@
 """Fan a request's media out to encoder services, with failover, and keep the registry's health current.
 
 `plan` splits a request's items over healthy encoders with the routing policy (routing key: hash of the
-item's bytes, or its URL). `run` POSTs one `/encode` job per part and decides each part's fate:
+item's bytes, or its URL). The key ignores the request's cache salt on purpose: an encoder keys its cache
+by the salted content hash, so equal bytes of two tenants meet on one encoder without sharing a hit.
+`run` POSTs one `/encode` job per part (with the request's cache salt) and decides each part's fate:
 - 200: delivered to the engine by the encoder; done.
 - 400/413: bad media; the encoder pushed an error part and the engine fails the request (no retry). Other
   4xx (nothing pushed: e.g. 422 from an encoder of another version, 401 from one with another secret) fail
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import httpx
@@ -37,21 +40,38 @@ class Part:
     item_indices: list[int]
 
 
+@dataclass(frozen=True)
+class ReplyRoutes:
+    """Which of the engine's embedding endpoints (one per transport) an encoder pushes its parts to."""
+
+    endpoints: Mapping[str, str]  # transport scheme -> endpoint, as the engine announced them
+    transport: str = "auto"  # auto: shared memory for encoders on this host (`local`), tcp for the rest
+    local: frozenset[str] = frozenset()  # URLs of encoders known to share this host (--encoder-workers)
+
+    def endpoint_for(self, url: str) -> str:
+        scheme = self.transport
+        if scheme == "auto":
+            scheme = "shm" if url in self.local and "shm" in self.endpoints else "tcp"
+        return self.endpoints[scheme]
+
+
 class Dispatcher:
     def __init__(
         self,
         registry: EncoderRegistry,
         policy: RoutingPolicy,
         engine,
-        embedding_endpoint: str,
+        routes: ReplyRoutes,
         engine_has_tower: bool,
         attempt_timeout_s: float,
         headers: dict[str, str] | None = None,
+        min_items: int = 0,
     ) -> None:
         self.registry = registry
         self.policy = policy
         self.engine = engine  # EngineClient: send LocalEncodeReq / FailReq
-        self.embedding_endpoint = embedding_endpoint
+        self.routes = routes
+        self.min_items = min_items  # fewer media items: encoded by the engine's own tower (adaptive dispatch)
         self.engine_has_tower = engine_has_tower
         self.attempt_timeout_s = attempt_timeout_s
         self.http = httpx.AsyncClient(timeout=attempt_timeout_s, headers=headers)  # headers: cluster token
@@ -62,7 +82,9 @@ class Dispatcher:
         await self.http.aclose()
 
     def plan(self, media: list[m.MediaItemMsg]) -> list[Part] | None:
-        """Parts for this request's items, or None when no encoder is healthy."""
+        """Parts for this request's items still to encode (the caller passes `precomputed.to_encode(media)`:
+        a client's precomputed embedding never goes to an encoder), or None when no encoder is healthy."""
+        assert all(it.embedding is None for it in media), "precomputed embeddings are never dispatched"
         candidates = self.registry.healthy()
         if not candidates:
             return None
@@ -70,15 +92,20 @@ class Dispatcher:
         assignment = plan(self.policy, keys, candidates)
         return [Part(i, url, items) for i, (url, items) in enumerate(assignment.items())]
 
-    async def run(self, request_id: str, media: list[m.MediaItemMsg], parts: list[Part]) -> int:
-        """Settle every part; returns how many items the encoders found in their caches."""
-        hits = await asyncio.gather(*(self._run_part(request_id, media, part, len(parts)) for part in parts))
+    async def run(
+        self, request_id: str, media: list[m.MediaItemMsg], parts: list[Part], cache_salt: str | None = None
+    ) -> int:
+        """Settle every part; returns how many items the encoders found in their caches. `cache_salt` goes
+        with every job: encoders hash it into each item, so their caches never serve one salt to another."""
+        hits = await asyncio.gather(
+            *(self._run_part(request_id, media, part, len(parts), cache_salt) for part in parts)
+        )
         return sum(hits)
 
     async def _run_part(
-        self, request_id: str, media: list[m.MediaItemMsg], part: Part, num_parts: int
+        self, request_id: str, media: list[m.MediaItemMsg], part: Part, num_parts: int, cache_salt: str | None
     ) -> int:
-        outcome = await self._attempt(request_id, media, part, num_parts, part.url)
+        outcome = await self._attempt(request_id, media, part, num_parts, part.url, cache_salt)
         if isinstance(outcome, int):
             return outcome
         others = [e for e in self.registry.healthy() if e.url != part.url]
@@ -89,7 +116,7 @@ class Dispatcher:
             logger.warning(
                 "request %s part %d: %s; retrying on %s", request_id, part.index, outcome.message, url
             )
-            outcome = await self._attempt(request_id, media, part, num_parts, url)
+            outcome = await self._attempt(request_id, media, part, num_parts, url, cache_salt)
             if isinstance(outcome, int):
                 return outcome
         if self.engine_has_tower:
@@ -103,7 +130,13 @@ class Dispatcher:
         return 0
 
     async def _attempt(
-        self, request_id: str, media: list[m.MediaItemMsg], part: Part, num_parts: int, url: str
+        self,
+        request_id: str,
+        media: list[m.MediaItemMsg],
+        part: Part,
+        num_parts: int,
+        url: str,
+        cache_salt: str | None,
     ) -> Failure | int:
         """One POST /encode. An int (cache hits) when the part is settled (delivered, or a client error the
         engine reports), else why it failed (the status is what the client gets if nothing else can encode
@@ -118,7 +151,9 @@ class Dispatcher:
             for i in part.item_indices
         ]
         job = {"request_id": request_id, "part_index": part.index, "num_parts": num_parts,
-               "reply_endpoint": self.embedding_endpoint, "items": items}  # fmt: skip
+               "reply_endpoint": self.routes.endpoint_for(url), "items": items}  # fmt: skip
+        if cache_salt is not None:  # omitted when unsalted: an unsalted job is unchanged
+            job["cache_salt"] = cache_salt
         self.registry.acquire(url)
         try:
             r = await self.http.post(url + "/encode", json=job)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from mmserve.encoder.embedding_store import METRIC_DOCS
+
 _SECONDS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
@@ -36,6 +38,16 @@ class EncoderMetrics:
         self.cache_bytes = Gauge(
             "mmserve:encoder_cache_bytes", "Bytes held by the embedding cache", registry=r
         )
+        self.transport = Gauge(
+            "mmserve:encoder_transport",
+            "Transfer pools and links by stat (shm_pool_used_bytes, shm_links, mooncake_pool_used_bytes ...)",
+            ["stat"],
+            registry=r,
+        )
+        self.store = {
+            name: Gauge(f"mmserve:encoder_embedding_store_{name}", doc, registry=r)
+            for name, doc in METRIC_DOCS.items()
+        }
 
     def update(self, service) -> None:
         stats, cache = service.batcher.stats, service.cache
@@ -46,6 +58,12 @@ class EncoderMetrics:
         self.cache_hits.set(cache.stats.hits)
         self.cache_evictions.set(cache.stats.evictions)
         self.cache_bytes.set(cache.used_bytes)
+        for name, value in service.sender.stats().items():
+            self.transport.labels(name).set(value)
+        store = service.encoder.store
+        if store is not None:
+            for name, value in store.snapshot().as_dict().items():
+                self.store[name].set(value)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -3,9 +3,10 @@
 One class serves every place that encodes: the encoder service, the engine process's local encoder
 (monolithic mode and failover; owned by the intake, a peer of the engine) and the offline `LLM`. Flow per
 item: fetch the raw bytes, hash them with every output-relevant setting, and look the hash up in the
-embedding cache; only on a miss decode, preprocess (the model family's processor) and run the tower
-(the family's `encode`, batched by a TowerBatcher). Concurrent requests for the same item compute it once
-(single-flight in the cache).
+embedding cache, then (with `--embedding-store`) in the global embedding store shared with other instances;
+only on a miss decode, preprocess (the model family's processor) and run the tower (the family's `encode`,
+batched by a TowerBatcher), and write the result to the store in the background. Concurrent requests for
+the same item compute it once (single-flight in the cache, which covers the store lookup too).
 """
 
 from __future__ import annotations
@@ -15,14 +16,17 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from mmserve.config import MediaConfig
+from mmserve.config import EmbeddingStoreConfig, MediaConfig
 from mmserve.encoder.batcher import TowerBatcher
+from mmserve.encoder.embedding_store import EmbeddingStore
+from mmserve.encoder.store_entry import model_fingerprint
 from mmserve.models.family import ModelFamily, check_pixel_limit
 from mmserve.models.loader import parse_dtype
 from mmserve.multimodal.cache import EmbeddingCache
 from mmserve.multimodal.errors import MediaError, UnsupportedMediaError
-from mmserve.multimodal.items import ItemEmbedding, Modality, content_hash
+from mmserve.multimodal.items import MAIN, ItemEmbedding, Modality, content_hash
 from mmserve.multimodal.media import MediaRef, decode_audio, decode_image, decode_video, load_bytes
+from mmserve.transport.cluster_auth import ClusterSecret
 
 TOWER_TIMEOUT_S = 300.0
 
@@ -34,6 +38,7 @@ class MediaInput:
     modality: Modality
     ref: MediaRef
     settings: Mapping[str, Any] = field(default_factory=dict)  # the family's per-item settings
+    cache_salt: str | None = None  # the request's tenant scope: enters the content hash
 
 
 @dataclass
@@ -41,8 +46,9 @@ class EncodeTimings:
     fetch_s: float = 0.0  # bytes of every item (download / base64 / file)
     preprocess_s: float = 0.0  # decode + preprocess, cache misses only
     forward_s: float = 0.0  # waiting for and running the tower, cache misses only
-    hits: int = 0
-    misses: int = 0
+    hits: int = 0  # found in the local embedding cache
+    misses: int = 0  # computed by the tower
+    store_hits: int = 0  # found in the global embedding store
 
     @property
     def total_s(self) -> float:
@@ -52,24 +58,37 @@ class EncodeTimings:
 class MultimodalEncoder:
     """Media reference -> ItemEmbedding through the embedding cache (see module docstring).
 
-    Owns its batcher (the tower's thread) and its cache; `close` stops the batcher.
+    Owns its batcher (the tower's thread), its cache and its store tier (optional); `close` stops them.
     """
 
     def __init__(
-        self, family: ModelFamily, batcher: TowerBatcher, cache: EmbeddingCache, media_cfg: MediaConfig
+        self,
+        family: ModelFamily,
+        batcher: TowerBatcher,
+        cache: EmbeddingCache,
+        media_cfg: MediaConfig,
+        store: EmbeddingStore | None = None,
     ) -> None:
         self.family = family
         self.batcher = batcher
         self.cache = cache
         self.media_cfg = media_cfg
+        self.store = store
 
-    def item_hash(self, modality: Modality, data: bytes, settings: Mapping[str, Any]) -> bytes:
-        """Raises MediaError (400) for settings the family does not know."""
+    def item_hash(
+        self, modality: Modality, data: bytes, settings: Mapping[str, Any], cache_salt: str | None = None
+    ) -> bytes:
+        """Raises MediaError (400) for settings the family does not know.
+
+        A salted item hashes apart from the same item under any other salt or none (so its pad value, its
+        cache entry here and in any store keyed by content hash are the tenant's own); unsalted hashes are
+        unchanged."""
         hashed = {
             **self.family.hash_settings(modality, settings),
             **self.media_cfg.hash_settings(modality.value),
         }
-        return content_hash(modality, data, {**hashed, "item": dict(settings)})
+        salt = {} if cache_salt is None else {"cache_salt": cache_salt}
+        return content_hash(modality, data, {**hashed, "item": dict(settings), **salt})
 
     def encode(self, item: MediaInput, timings: EncodeTimings | None = None) -> ItemEmbedding:
         """Raises MediaError subclasses for bad media (the caller maps them to HTTP 4xx)."""
@@ -79,23 +98,32 @@ class MultimodalEncoder:
             raise UnsupportedMediaError(f"{modality.value} input is not supported by this model")
         start = time.perf_counter()
         data = load_bytes(item.ref, self.media_cfg)
-        digest = self.item_hash(modality, data, item.settings)
+        digest = self.item_hash(modality, data, item.settings, item.cache_salt)
         timings.fetch_s += time.perf_counter() - start
-        computed = []
+        source = []  # "store" or "tower" when this call computed the entry; empty for a cache hit
 
         def compute() -> ItemEmbedding:
-            computed.append(True)
+            if self.store is not None:
+                stored = self.store.get(digest, modality)
+                if stored is not None:
+                    source.append("store")
+                    return stored
+            source.append("tower")
             t0 = time.perf_counter()
             tower_input = self.family.process(modality, self._decode(modality, data), item.settings)
             t1 = time.perf_counter()
             tensors = self.batcher.submit(tower_input).result(timeout=TOWER_TIMEOUT_S)
             timings.preprocess_s += t1 - t0
             timings.forward_s += time.perf_counter() - t1
-            return ItemEmbedding(modality, digest, tensors, tower_input.metadata)
+            encoded = ItemEmbedding(modality, digest, tensors, tower_input.metadata)
+            if self.store is not None:
+                self.store.put(encoded)
+            return encoded
 
         encoded = self.cache.get_or_compute(digest, compute)
-        timings.misses += bool(computed)
-        timings.hits += not computed
+        timings.misses += source == ["tower"]
+        timings.store_hits += source == ["store"]
+        timings.hits += not source
         return encoded
 
     def encode_all(
@@ -132,6 +160,8 @@ class MultimodalEncoder:
 
     def close(self) -> None:
         self.batcher.close()
+        if self.store is not None:
+            self.store.close()
 
 
 def build_encoder(
@@ -142,13 +172,25 @@ def build_encoder(
     media_cfg: MediaConfig,
     max_batch_items: int = 1,
     max_batch_wait_ms: float = 0.0,
+    store_cfg: EmbeddingStoreConfig | None = None,
+    model_path: str | None = None,
+    secret: ClusterSecret | None = None,
 ) -> MultimodalEncoder:
     """Load the family's tower (no language-model weights) and wrap it in a batcher, a cache and media
-    handling."""
+    handling; with `store_cfg`, a global embedding store tier too (entries of the checkpoint in
+    `model_path`, signed with `secret` when given). The store connects in the background."""
     tower = family.load_tower(parse_dtype(dtype)).to(device)
 
     def encode(batch):
         return family.encode(tower, batch)
 
     batcher = TowerBatcher(encode, max_batch_items, max_batch_wait_ms)
-    return MultimodalEncoder(family, batcher, EmbeddingCache(cache_mb), media_cfg)
+    store = None
+    if store_cfg is not None:
+        if model_path is None:
+            raise ValueError("an embedding store needs the model path (its entries are keyed by checkpoint)")
+        tower_dtype = str(next(tower.parameters()).dtype)
+        widths = {MAIN: family.hidden_size, **family.extra_dims}
+        fingerprint = model_fingerprint(model_path, family.model_type, tower_dtype, widths)
+        store = EmbeddingStore(store_cfg, fingerprint, secret, check_item=family.check_item)
+    return MultimodalEncoder(family, batcher, EmbeddingCache(cache_mb), media_cfg, store)

@@ -1,10 +1,10 @@
 """`mmserve encoder`: the model's encoder (vision or audio tower) as an HTTP service that pushes embeddings to
-engines over ZMQ.
+engines over the transport each job names (tcp://, ipc://, shm://, mooncake://; see mmserve.transport.channel).
 
 `POST /encode` takes a job (request id, part index and count, items with their media references, the
-engine's embedding endpoint). The handler fetches, hashes, looks items up in the embedding cache, runs the
-misses through the fused-batch tower, pushes the part to the engine, and answers once the part is handed to
-the socket:
+engine's embedding endpoint, the request's cache salt). The handler fetches, hashes (with the salt), looks
+items up in the embedding cache, runs the misses through the fused-batch tower, pushes the part to the
+engine, and answers once the part is handed to the socket:
 - 200: the part was delivered to the engine's socket.
 - 400/413: bad media. An error part is pushed too, so the engine fails the request at once.
 - 503: too many pending jobs (`--max-pending`); nothing is pushed (the dispatcher retries elsewhere).
@@ -29,15 +29,16 @@ from pydantic import BaseModel, Field
 from mmserve.config import EncoderConfig
 from mmserve.encoder.metrics import EncoderMetrics
 from mmserve.encoder.runner import EncodeTimings, MediaInput, build_encoder
+from mmserve.engine.cache_salt import MAX_CACHE_SALT_CHARS
 from mmserve.models.family import load_family
 from mmserve.multimodal.errors import MediaError
 from mmserve.multimodal.items import Modality
 from mmserve.multimodal.media import MediaRef
 from mmserve.transport import cluster_auth
+from mmserve.transport.channel import PartSenders, SendTimeout, TransferConfig
 from mmserve.transport.cluster_auth import HTTP_HEADER
-from mmserve.transport.embedding_wire import EmbeddingItem, encode_error, encode_part
+from mmserve.transport.embedding_wire import EmbeddingItem, build_part, error_part
 from mmserve.transport.messages import Failure
-from mmserve.transport.zmq_channel import EmbeddingSender, SendTimeout
 
 logger = logging.getLogger("mmserve.encoder")
 
@@ -54,8 +55,11 @@ class EncodeJob(BaseModel):
     request_id: str = Field(min_length=1, max_length=256)
     part_index: int = Field(ge=0)
     num_parts: int = Field(ge=1)
-    reply_endpoint: str = Field(pattern=r"^(tcp|ipc)://")
+    reply_endpoint: str = Field(pattern=r"^(tcp|ipc|shm|mooncake)://")
     items: list[JobItem] = Field(min_length=1)
+    # The request's tenant scope (mmserve.engine.cache_salt): enters every item's content hash, so this
+    # encoder's cache never serves one salt's item to another.
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
 
 
 class EncoderService:
@@ -64,6 +68,7 @@ class EncoderService:
     def __init__(self, cfg: EncoderConfig) -> None:
         self.cfg = cfg
         self.family = load_family(cfg.model, mm_processor_kwargs=dict(cfg.mm_processor_kwargs))
+        self.secret = cluster_auth.from_config(cfg.cluster_secret)
         self.encoder = build_encoder(
             self.family,
             cfg.dtype,
@@ -72,10 +77,13 @@ class EncoderService:
             cfg.media,
             cfg.max_batch_items,
             cfg.max_batch_wait_ms,
+            store_cfg=cfg.embedding_store,
+            model_path=cfg.model,
+            secret=self.secret,
         )
         self.batcher, self.cache = self.encoder.batcher, self.encoder.cache
-        self.secret = cluster_auth.from_config(cfg.cluster_secret)
-        self.sender = EmbeddingSender(cfg.send_timeout_s, signer=self.secret)
+        transfer = TransferConfig(cfg.send_timeout_s, cfg.shm_pool_mb, cfg.mooncake_pool_mb, cfg.host)
+        self.sender = PartSenders(transfer, signer=self.secret)
         self.metrics = EncoderMetrics()
         self.pending = 0
 
@@ -91,7 +99,7 @@ class EncoderService:
             ref = MediaRef.from_bytes(base64.b64decode(it.data_b64)) if it.data_b64 is not None else None
             try:
                 ref = ref or MediaRef.parse(it.url or "")
-                enc = self.encoder.encode(MediaInput(it.modality, ref, it.settings), timings)
+                enc = self.encoder.encode(MediaInput(it.modality, ref, it.settings, job.cache_salt), timings)
             except MediaError as e:
                 self.metrics.requests.labels(it.modality.value, str(e.status)).inc()
                 failure = Failure(e.status, e.code, f"{it.modality.value} item {it.item_index}: {e}")
@@ -106,11 +114,11 @@ class EncoderService:
             items.append(EmbeddingItem(it.item_index, enc))
         start = time.perf_counter()
         try:
-            self.sender.send(job.reply_endpoint, encode_part(job.request_id, job.part_index, job.num_parts,
-                                                             self.cfg.url, items))  # fmt: skip
-        except SendTimeout:
-            return 502, {"error": {"message": f"engine at {job.reply_endpoint} did not take the part",
-                                   "code": "engine_unreachable"}}  # fmt: skip
+            part = build_part(job.request_id, job.part_index, job.num_parts, self.cfg.url, items)
+            self.sender.send(job.reply_endpoint, part)
+        except SendTimeout as e:
+            message = f"engine at {job.reply_endpoint} did not take the part: {e}"
+            return 502, {"error": {"message": message, "code": "engine_unreachable"}}
         self.metrics.transfer.observe(time.perf_counter() - start)
         self.metrics.preprocess.observe(timings.fetch_s + timings.preprocess_s)
         if timings.misses:
@@ -122,8 +130,8 @@ class EncoderService:
     def _push_error(self, job: EncodeJob, error: Failure) -> bool:
         """Tells the engine the part failed for a client reason; returns whether the part was handed over."""
         try:
-            self.sender.send(job.reply_endpoint, encode_error(job.request_id, job.part_index, job.num_parts,
-                                                              self.cfg.url, error))  # fmt: skip
+            part = error_part(job.request_id, job.part_index, job.num_parts, self.cfg.url, error)
+            self.sender.send(job.reply_endpoint, part)
         except SendTimeout:
             logger.warning("could not push an error part for %s to %s", job.request_id, job.reply_endpoint)
             return False
@@ -186,11 +194,20 @@ async def register_loop(cfg: EncoderConfig, stop: asyncio.Event) -> None:
     """Register with each language server, then heartbeat so that a restarted server learns about us again.
 
     The first call is a registration; later calls are heartbeats, which a server ignores for an encoder that
-    was explicitly unregistered there.
+    was explicitly unregistered there. A refusal (401: wrong or missing token; 403: the server has no secret
+    and anonymous registration is off) is logged as an error once per server until it accepts us, not at
+    every heartbeat.
     """
     registered: set[str] = set()
+    refused: dict[str, int] = {}  # server -> status of its last refusal (already logged)
     secret = cluster_auth.from_config(cfg.cluster_secret)
     headers = secret.headers if secret else {}
+    missing = "it requires a cluster secret and this encoder has none"
+    reasons = {
+        401: "the cluster secrets differ" if secret else missing,
+        403: "it has no cluster secret and anonymous registration is off (set the same --cluster-secret on "
+        "both, or start it with --enable-anonymous-registration)",
+    }
     async with httpx.AsyncClient(timeout=5.0, headers=headers) as client:
         while not stop.is_set():
             for base in cfg.register_urls:
@@ -199,8 +216,11 @@ async def register_loop(cfg: EncoderConfig, stop: asyncio.Event) -> None:
                     r = await client.post(base.rstrip("/") + "/register_encoder", json=body)
                     if r.status_code == 200:
                         registered.add(base)
-                    elif r.status_code == 401:
-                        logger.error("%s refused our registration: the cluster secrets differ", base)
+                        refused.pop(base, None)
+                    elif r.status_code in reasons and refused.get(base) != r.status_code:
+                        refused[base] = r.status_code
+                        reason = reasons[r.status_code]
+                        logger.error("%s refused our registration (%d): %s", base, r.status_code, reason)
                 except httpx.HTTPError as e:
                     logger.info("registration with %s failed: %s", base, e)
             try:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from mmserve.config import EngineConfig, ModelConfig
+from mmserve.engine.cache_salt import check_cache_salt
 from mmserve.engine.kv_pool import KVPool
 from mmserve.engine.model_runner import ModelRunner
 from mmserve.engine.radix_cache import NoPrefixCache, RadixCache
@@ -93,16 +94,24 @@ class Engine:
 
     # -- requests -------------------------------------------------------------------------------
     def add_request(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, items: list[ItemEmbedding]
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        items: list[ItemEmbedding],
+        cache_salt: str | None = None,
     ) -> Request:
         """Queue a request whose prompt has one placeholder token per item; `items` in prompt order.
 
         `params.max_tokens` None means the rest of the context, as far as the KV cache can hold it.
+        `cache_salt` scopes the request's prefix-cache hits (mmserve.engine.cache_salt); its items must have
+        been hashed with the same salt (the encoder's `item_hash`).
         Raises EmbeddingMismatch (an item does not fit this model), MediaTooLargeError (pixel limit) or
         ValueError (bad prompt / too long); nothing is queued then.
         """
         if request_id in self.requests:
             raise ValueError(f"duplicate request id {request_id!r}")
+        check_cache_salt(cache_salt)
         for item in items:
             self.family.check_item(item)
         check_pixel_limit(self.family, items, self.cfg.max_mm_pixels_per_prompt)
@@ -126,6 +135,7 @@ class Engine:
         req = Request(
             request_id, expanded.token_ids, params, items=expanded.items, embeddings=embeddings,
             positions=positions, rope_delta=rope_delta, generator=make_generator(params),
+            cache_salt=cache_salt,
         )  # fmt: skip
         self.scheduler.add(req)
         self.requests[request_id] = req

@@ -1,7 +1,8 @@
 """How requests enter the engine: media encoded by the local encoder, or embedding parts from encoders.
 
 The intake owns the engine process's local encoder (a peer of the engine: None with --language-only), the
-embedding receiver and the part assembler. Monolithic requests (`num_parts == 0`) are encoded on a worker
+embedding receivers (one per transport the engine offers: mmserve.transport.channel) and the part
+assembler. Monolithic requests (`num_parts == 0`) are encoded on a worker
 thread by the local encoder. EPD requests wait in the `PartAssembler` for their parts, pushed by encoders to
 the embedding socket (or produced here when the dispatcher asks for a local failover encode). Either way the
 loop thread admits the request with `Engine.add_request(..., items)`, the one entrance shared by all modes,
@@ -15,6 +16,7 @@ from __future__ import annotations
 import logging
 import queue
 import time
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -25,11 +27,12 @@ from mmserve.models.family import EmbeddingMismatch
 from mmserve.multimodal.errors import EncoderUnavailableError, MediaError
 from mmserve.multimodal.items import ItemEmbedding, Modality
 from mmserve.multimodal.media import MediaRef
+from mmserve.multimodal.precomputed import merge, to_encode
 from mmserve.transport import messages as m
-from mmserve.transport.cluster_auth import ClusterSecret, PartRejected, PartVerifier
+from mmserve.transport.channel import PartReceiver
+from mmserve.transport.cluster_auth import PartRejected
 from mmserve.transport.embedding_wire import WIRE_VERSION, EmbeddingItem, PartHeader, WireError
 from mmserve.transport.messages import Failure
-from mmserve.transport.zmq_channel import EmbeddingReceiver
 
 logger = logging.getLogger("mmserve.engine")
 IN_PROCESS = "engine (in-process)"
@@ -37,12 +40,13 @@ LOCAL_FAILOVER = "local (failover)"
 MEDIA_WORKERS = 4
 
 
-def media_inputs(items: list[m.MediaItemMsg]) -> list[MediaInput]:
+def media_inputs(items: list[m.MediaItemMsg], cache_salt: str | None) -> list[MediaInput]:
     return [
         MediaInput(
             Modality(it.modality),
             MediaRef.from_bytes(it.data) if it.data is not None else MediaRef.parse(it.url or ""),
             it.settings,
+            cache_salt,
         )
         for it in items
     ]
@@ -70,12 +74,11 @@ class Intake:
         self,
         engine: Engine,
         encoder: MultimodalEncoder | None,
-        embedding_bind: str = "tcp://127.0.0.1:0",
-        secret: ClusterSecret | None = None,
+        receivers: Sequence[PartReceiver] = (),
     ) -> None:
         self.engine = engine
         self.encoder = encoder
-        self.receiver = EmbeddingReceiver(embedding_bind, verifier=PartVerifier(secret) if secret else None)
+        self.receivers = list(receivers)  # owned: closed with the intake
         self.assembler = PartAssembler()
         # Several workers so that one slow download (up to --media-fetch-timeout-s) does not hold up every
         # other request's media; the tower itself stays serialized behind the encoder's TowerBatcher.
@@ -99,7 +102,7 @@ class Intake:
     def generate(self, req: m.GenerateReq) -> list:
         self.requests[req.request_id] = (req, time.perf_counter())
         if req.num_parts == 0:
-            if req.media and self.encoder is None:
+            if to_encode(req.media) and self.encoder is None:
                 self.requests.pop(req.request_id)
                 error = EncoderUnavailableError(
                     "no encoder is available for this request and this engine has no tower"
@@ -107,7 +110,7 @@ class Intake:
                 return [m.ErrorMsg(req.request_id, error.failure)]
             self.pool.submit(self._encode_request, req)
             return []
-        modalities = [it.modality for it in req.media]
+        modalities = [it.modality for it in to_encode(req.media)]  # parts carry only these (not precomputed)
         return self._outcomes(self.assembler.expect(req.request_id, modalities, req.num_parts,
                                                     self.engine.cfg.encode_timeout_s))  # fmt: skip
 
@@ -142,11 +145,11 @@ class Intake:
 
     def _encode_request(self, req: m.GenerateReq) -> None:
         timings = EncodeTimings()
-        result = self._encode(media_inputs(req.media), timings, req.request_id)
+        result = self._encode(media_inputs(to_encode(req.media), req.cache_salt), timings, req.request_id)
         self.done.put(_RequestEncoded(req.request_id, result, timings))
 
     def _encode_part(self, req: m.GenerateReq, msg: m.LocalEncodeReq) -> None:
-        media = media_inputs([req.media[i] for i in msg.item_indices])
+        media = media_inputs([to_encode(req.media)[i] for i in msg.item_indices], req.cache_salt)
         result = self._encode(media, EncodeTimings(), f"{msg.request_id} part {msg.part_index}")
         failed = isinstance(result, Failure)
         items = [] if failed else [EmbeddingItem(i, e) for i, e in zip(msg.item_indices, result, strict=True)]
@@ -165,20 +168,8 @@ class Intake:
     def drain(self) -> list:
         """Admit whatever is ready; returns messages for the API server."""
         out = []
-        while True:  # encoder pushes
-            try:
-                part = self.receiver.recv_part(0)
-            except PartRejected as e:
-                self.parts_rejected[e.reason] += 1
-                logger.warning("dropped an embedding part failing authentication: %s", e)
-                continue
-            except WireError as e:
-                self.parts_malformed += 1
-                logger.warning("dropped a malformed embedding part: %s", e)
-                continue
-            if part is None:
-                break
-            out += self._outcomes(self.assembler.add(*part))
+        for receiver in self.receivers:
+            out += self._receive(receiver)
         while True:  # worker-thread results
             try:
                 done = self.done.get_nowait()
@@ -190,6 +181,30 @@ class Intake:
                 self.encode_seconds_total += done.timings.total_s
                 out += self._admit(done.request_id, done.result, done.timings, [IN_PROCESS])
         return out + self._outcomes(self.assembler.expire())
+
+    def _receive(self, receiver: PartReceiver) -> list:
+        """Every part waiting at one transport (encoder pushes)."""
+        out = []
+        while True:
+            try:
+                part = receiver.recv_part(0)
+            except PartRejected as e:
+                self.parts_rejected[e.reason] += 1
+                logger.warning("dropped an embedding part failing authentication: %s", e)
+                continue
+            except WireError as e:
+                self.parts_malformed += 1
+                logger.warning("dropped a malformed embedding part: %s", e)
+                continue
+            if part is None:
+                return out
+            out += self._outcomes(self.assembler.add(*part))
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes of transport pools (shm, Mooncake) that tensors of requests here still view."""
+        stats = [r.stats() for r in self.receivers]
+        return int(sum(v for s in stats for k, v in s.items() if k.endswith("_held_bytes")))
 
     def _outcomes(self, outcomes: list[Complete | Failed]) -> list:
         out = []
@@ -215,7 +230,10 @@ class Intake:
         if isinstance(result, Failure):
             return [m.ErrorMsg(rid, result)]
         try:
-            engine_req = self.engine.add_request(rid, list(req.prompt_token_ids), req.sampling, result)
+            items = merge(req.media, result)  # the client's precomputed embeddings back in prompt order
+            engine_req = self.engine.add_request(
+                rid, list(req.prompt_token_ids), req.sampling, items, cache_salt=req.cache_salt
+            )
         except EmbeddingMismatch as e:  # an encoder serving another model: this request only
             sources = ", ".join(encoded_by)
             logger.warning("request %s: embedding from %s rejected: %s", rid, sources, e)
@@ -228,7 +246,7 @@ class Intake:
         engine_req.encode_timings = timings
         waited = time.perf_counter() - arrived
         hits = timings.hits if timings is not None else 0
-        return [m.AcceptedMsg(rid, engine_req.prompt_len, waited, len(result), hits, encoded_by)]
+        return [m.AcceptedMsg(rid, engine_req.prompt_len, waited, len(items), hits, encoded_by)]
 
     def check_integrity(self) -> None:
         if self.encoder is not None:
@@ -236,6 +254,7 @@ class Intake:
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
-        self.receiver.close()
+        for receiver in self.receivers:
+            receiver.close()
         if self.encoder is not None:
             self.encoder.close()

@@ -4,7 +4,8 @@ Started by the API server as `python -m mmserve.engine.loop --config JSON` (an e
 a pickled object). Sockets: PULL on `input_addr` for ToEngine messages, PUSH on `output_addr` for
 FromEngine messages.
 
-A third socket, the Intake's embedding receiver, takes parts pushed by encoder services. How requests get
+The Intake's embedding receivers (one per transport in `embedding_transports`) take parts pushed by encoder
+services. How requests get
 their embeddings (in-process encode on a worker thread, or parts from encoders) is `intake.py`'s concern;
 this loop only moves messages and steps the engine, and it alone touches the engine. It exits when told to,
 or when its parent process is gone (no orphans).
@@ -24,13 +25,14 @@ from dataclasses import asdict
 import msgspec
 import zmq
 
-from mmserve.config import EngineConfig, MediaConfig
+from mmserve.config import EmbeddingStoreConfig, EngineConfig, MediaConfig
 from mmserve.encoder.runner import build_encoder
 from mmserve.engine.engine import BatchFailed, Engine
 from mmserve.engine.intake import Intake
 from mmserve.engine.kv_pool import KVPool
 from mmserve.models.loader import parse_dtype
 from mmserve.transport import messages as m
+from mmserve.transport.channel import TransferConfig, bind_address, open_receiver, scheme_of
 from mmserve.transport.cluster_auth import ClusterSecret, resolve_secret
 
 logger = logging.getLogger("mmserve.engine")
@@ -50,6 +52,9 @@ def engine_config_from_json(text: str) -> EngineConfig:
     media["allowed_media_networks"] = tuple(media.get("allowed_media_networks") or ())
     media["media_host_overrides"] = tuple(tuple(kv) for kv in media.get("media_host_overrides") or ())
     raw["mm_processor_kwargs"] = tuple(tuple(kv) for kv in raw.get("mm_processor_kwargs") or ())
+    raw["embedding_transports"] = tuple(raw.get("embedding_transports") or ("tcp",))
+    store = raw.pop("embedding_store", None)
+    raw["embedding_store"] = EmbeddingStoreConfig(**store) if store else None
     return EngineConfig(media=MediaConfig(**media), **raw)
 
 
@@ -70,9 +75,23 @@ class EngineLoop:
         local = (
             None
             if cfg.language_only
-            else build_encoder(engine.family, cfg.dtype, cfg.device, cfg.embedding_cache_mb, cfg.media)
+            else build_encoder(
+                engine.family,
+                cfg.dtype,
+                cfg.device,
+                cfg.embedding_cache_mb,
+                cfg.media,
+                store_cfg=cfg.embedding_store,
+                model_path=cfg.model,
+                secret=secret,
+            )
         )
-        self.intake = Intake(engine, local, secret=secret)
+        transfer = TransferConfig(mooncake_pool_mb=cfg.mooncake_pool_mb, host=cfg.embedding_host)
+        receivers = [
+            open_receiver(bind_address(scheme, cfg.embedding_host), transfer, secret)
+            for scheme in cfg.embedding_transports
+        ]
+        self.intake = Intake(engine, local, receivers)
         self.parent_pid = os.getppid()
         self.running = True
 
@@ -133,6 +152,7 @@ class EngineLoop:
     def stats(self, nonce: int = 0) -> m.StatsMsg:
         e, intake = self.engine, self.intake
         cache = intake.encoder.cache.stats if intake.encoder is not None else None
+        store = intake.encoder.store if intake.encoder is not None else None
         r = intake.assembler.stats
         dropped = (
             r.dropped_stale
@@ -148,8 +168,10 @@ class EngineLoop:
             prefix_cache_hits=e.scheduler.stats.prefix_hit_tokens, mm_cache_queries=cache.queries if cache else 0,
             mm_cache_hits=cache.hits if cache else 0, encode_seconds_total=intake.encode_seconds_total, nonce=nonce,
             parts_received=r.parts, parts_dropped=dropped, kv_slots_used=e.pool.num_used,
+            transfer_held_bytes=intake.held_bytes,
             num_preemptions=e.scheduler.stats.retractions,
             parts_forged=intake.parts_rejected["forged"], parts_replayed=intake.parts_rejected["replayed"],
+            embedding_store=store.snapshot().as_dict() if store is not None else {},
         )  # fmt: skip
 
     def run(self) -> None:
@@ -158,20 +180,22 @@ class EngineLoop:
             mc.num_layers, mc.num_kv_heads, mc.head_dim, parse_dtype(cfg.dtype)
         )
         pool = self.engine.pool
-        endpoint, has_tower = self.intake.receiver.endpoint, self.intake.encoder is not None
+        endpoints = {scheme_of(r.endpoint): r.endpoint for r in self.intake.receivers}
+        has_tower = self.intake.encoder is not None
         ready = m.ReadyMsg(
             m.SCHEMA_VERSION,
             mc.max_model_len,
             pool.num_slots,
             pool.num_slots * per_token,
             per_token,
-            endpoint,
+            endpoints,
             has_tower,
         )
         self.send(ready)
         poller = zmq.Poller()
         poller.register(self.input, zmq.POLLIN)
-        poller.register(self.intake.receiver.socket, zmq.POLLIN)
+        for receiver in self.intake.receivers:
+            poller.register(receiver.pollable, zmq.POLLIN)
         last_stats = 0.0
         while self.running:
             # Encoder parts and API messages wake the poller; in-process encodes finish on a worker thread, so

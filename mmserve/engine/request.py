@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from mmserve.engine.cache_salt import prefix_key
 from mmserve.engine.sampling_params import SamplingParams
 from mmserve.multimodal.embedding import PlacedEmbedding
 from mmserve.multimodal.items import MultimodalItem
@@ -35,6 +36,7 @@ class Request:
     positions: torch.Tensor | None = None  # (rows, prompt_len): 3 rows for M-RoPE, 1 for plain RoPE
     rope_delta: int = 0  # decode position of index i >= prompt_len: i + rope_delta
     generator: torch.Generator | None = None
+    cache_salt: str | None = None  # tenant scope of the prefix cache: see mmserve.engine.cache_salt
 
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None
@@ -79,6 +81,10 @@ class Request:
     @property
     def finished(self) -> bool:
         return self.status == RequestStatus.FINISHED
+
+    def cache_key(self, n: int) -> list[int]:
+        """The first `n` token ids as the prefix cache keys them (salted in the first position)."""
+        return prefix_key(self.token_ids[:n], self.cache_salt)
 
     def append_output(self, token_id: int) -> None:
         if self.first_token_time is None:

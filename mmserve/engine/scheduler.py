@@ -14,6 +14,9 @@ retracted request usually recomputes little.
 
 When the pool is exhausted: evict the prefix cache, then retract the newest running request (free its slots,
 requeue it at the front, recompute later). Requests that can never fit are refused in `add`.
+
+The prefix cache is keyed by `Request.cache_key`, the token ids scoped by the request's cache salt (in the
+first position only; see mmserve.engine.cache_salt), never by the ids themselves.
 """
 
 from __future__ import annotations
@@ -104,7 +107,7 @@ class Scheduler:
 
     def _admit(self, req: Request, budget: int, batch: dict[str, ScheduledChunk]) -> bool:
         first_time = req.first_scheduled_time is None
-        lookup = req.token_ids[:-1]  # the last token is always computed: its logits are needed
+        lookup = req.cache_key(len(req.token_ids) - 1)  # the last token is always computed: logits needed
         match = self.prefix_cache.match(lookup)
         self.prefix_cache.lock(match.handle)
         n = min(req.remaining - match.num_tokens, budget)
@@ -153,7 +156,7 @@ class Scheduler:
     def cache_prompt(self, req: Request) -> None:
         """Insert a running request's whole prompt (its KV is now written) into the prefix cache and move the
         request's lock to the new path, so requests arriving meanwhile reuse it instead of recomputing it."""
-        prompt = req.token_ids[: req.prompt_len]
+        prompt = req.cache_key(req.prompt_len)
         self.prefix_cache.insert(prompt, req.slot_buffer[: req.prompt_len])
         match = self.prefix_cache.match(prompt)
         self.prefix_cache.lock(match.handle)
@@ -202,7 +205,7 @@ class Scheduler:
     def _release(self, req: Request) -> None:
         computed = req.num_computed
         if computed:
-            self.prefix_cache.insert(req.token_ids[:computed], req.slots)
+            self.prefix_cache.insert(req.cache_key(computed), req.slots)
             self.pool.free(req.slots)
         if req.prefix_handle is not None:
             self.prefix_cache.unlock(req.prefix_handle)

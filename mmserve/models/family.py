@@ -89,6 +89,19 @@ class ModelFamily(Protocol):
         the extras every item must carry."""
         ...
 
+    def precomputed_metadata(self, modality: Modality, fields: Any, settings: Mapping[str, Any]) -> bytes:
+        """Metadata bytes of a client's precomputed embedding (--enable-mm-embeds), read from its named
+        tensors with `fields.ints` / `fields.floats` (`mmserve.multimodal.precomputed.Fields`; `fields.rows`
+        is the main embedding's row count): grids, sizes, lengths. `settings` are the item's
+        `item_settings`. Raises `fields.invalid(...)` (400) for a missing or impossible field; `check_item`
+        then ties the rows to the metadata."""
+        ...
+
+    def precomputed_fields(self, modality: Modality, metadata: bytes) -> dict[str, torch.Tensor]:
+        """The inverse of `precomputed_metadata`: the named metadata tensors a client sends for an item with
+        this metadata (to turn mmserve's own embeddings into content parts)."""
+        ...
+
     def expand(self, token_ids: list[int], items: list[Any]) -> ExpandedPrompt:
         """Replace the k-th placeholder of each modality by the k-th item of that modality; sets each
         item's offset and span. Raises ValueError when placeholders and items do not match."""

@@ -306,6 +306,34 @@ class Family:
             )
         check_tensors(self, item, self.num_tokens(item.modality, meta))
 
+    def precomputed_metadata(self, modality: Modality, fields, settings: Mapping[str, Any]) -> bytes:
+        """An image: `image_sizes`, its original (height, width) as HF names it. As for pixels, it is tiled
+        (anyres) when it is the request's only image (`item_settings`), so its rows must be that mode's. A
+        video: no field; its frame count follows from its rows (frames x pooled tile tokens + one newline)."""
+        anyres = self.image_mode(modality, settings)
+        if modality == Modality.VIDEO:
+            per_frame = math.ceil(self.patches_per_side / 2) ** 2
+            frames, rest = divmod(fields.rows - 1, per_frame)
+            if frames < 1 or rest:
+                raise fields.invalid(
+                    f"'video_embeds' has {fields.rows} rows; a video has frames x {per_frame} + 1 rows"
+                )
+            return msgspec.msgpack.encode(VisionMeta(frames, (self.frames.height, self.frames.width)))
+        from transformers.image_processing_utils import select_best_resolution
+
+        height, width = fields.ints("image_sizes", 2, "the image's original (height, width)")
+        size = self.image_processor.size
+        tile, tiles = (size.height, size.width), 1  # the base tile; anyres adds the best-resolution grid
+        if anyres:
+            pinpoints = self.image_processor.image_grid_pinpoints
+            best_h, best_w = select_best_resolution((height, width), pinpoints)
+            tiles += (best_h // tile[0]) * (best_w // tile[1])
+        return msgspec.msgpack.encode(VisionMeta(tiles, tile, (height, width), anyres))
+
+    def precomputed_fields(self, modality: Modality, metadata: bytes) -> dict[str, torch.Tensor]:
+        meta = self.meta(metadata)
+        return {"image_sizes": torch.tensor(meta.original_hw)} if modality == Modality.IMAGE else {}
+
     def process(self, modality: Modality, media: Any, settings: Mapping[str, Any]) -> TowerInput:
         """Tower input for one decoded item: a PIL image, or a DecodedVideo."""
         anyres = self.image_mode(modality, settings)

@@ -164,6 +164,23 @@ class Family:
             raise EmbeddingMismatch(f"audio embedding has no valid Qwen2-Audio metadata: {e}") from e
         check_tensors(self, item, num_audio_tokens(num_frames))
 
+    def precomputed_metadata(self, modality: Modality, fields, settings: Mapping[str, Any]) -> bytes:
+        """`audio_feature_lengths`: the clip's valid mel frames (HF's feature attention mask summed), within
+        the model's window and long enough for one token."""
+        if settings:
+            raise UnsupportedMediaError(f"unknown item settings {sorted(settings)} for this model")
+        (num_frames,) = fields.ints("audio_feature_lengths", 1, "valid mel frames")
+        window = self.feature_extractor.nb_max_frames
+        if num_frames > window or num_audio_tokens(num_frames) < 1:
+            raise fields.invalid(
+                f"'audio_feature_lengths' is {num_frames}; this model takes 3 to {window} mel frames "
+                f"(a {self.cfg.chunk_length} s window)"
+            )
+        return msgspec.msgpack.encode(AudioMeta(num_frames))
+
+    def precomputed_fields(self, modality: Modality, metadata: bytes) -> dict[str, torch.Tensor]:
+        return {"audio_feature_lengths": torch.tensor([self.meta(metadata).num_frames])}
+
     def process(self, modality: Modality, media: Any, settings: Mapping[str, Any]) -> TowerInput:
         """Tower input for float32 mono samples at `audio_sample_rate_hz`: the padded log-mel window and
         its valid frames. Raises MediaTooLargeError beyond the window, MediaDecodeError for no audio."""

@@ -193,6 +193,37 @@ class Family:
             ) from e
         check_tensors(self, item, self.num_tokens(grid))
 
+    def precomputed_grid(self, modality: Modality, fields) -> tuple[int, int, int]:
+        """`image_grid_thw` / `video_grid_thw`: the patch grid before merging (as HF's processor returns it);
+        h and w multiples of the merge size, t = 1 for an image."""
+        name, m = f"{modality.value}_grid_thw", self.spatial_merge_size
+        t, h, w = fields.ints(name, 3, "the (t, h, w) patch grid")
+        if h % m or w % m:
+            raise fields.invalid(f"tensor {name!r} is {[t, h, w]}; h and w must be multiples of {m}")
+        if modality == Modality.IMAGE and t != 1:
+            raise fields.invalid(f"tensor {name!r} is {[t, h, w]}; an image has t = 1")
+        return t, h, w
+
+    def precomputed_metadata(self, modality: Modality, fields, settings: Mapping[str, Any]) -> bytes:
+        """The grid, and for a Qwen2.5-VL video `second_per_grid_t` (optional, HF's default 1.0: seconds per
+        temporal grid step, which spaces its temporal positions)."""
+        if settings:
+            raise UnsupportedMediaError(f"unknown item settings {sorted(settings)} for this model")
+        grid = self.precomputed_grid(modality, fields)
+        seconds = 1.0
+        if modality == Modality.VIDEO and self.tokens_per_second is not None:
+            (seconds,) = fields.floats("second_per_grid_t", 1, "seconds per temporal grid step", (1.0,))
+            if not 0 < seconds <= 3600:
+                raise fields.invalid(f"'second_per_grid_t' is {seconds}; it must be in (0, 3600]")
+        return msgspec.msgpack.encode(VisionMeta(grid, seconds))
+
+    def precomputed_fields(self, modality: Modality, metadata: bytes) -> dict[str, torch.Tensor]:
+        meta = self.meta(metadata)
+        out = {f"{modality.value}_grid_thw": torch.tensor(meta.grid_thw)}
+        if modality == Modality.VIDEO and self.tokens_per_second is not None:
+            out["second_per_grid_t"] = torch.tensor([meta.second_per_grid_t])
+        return out
+
     def process(self, modality: Modality, media: Any, settings: Mapping[str, Any]) -> TowerInput:
         """Tower input for one decoded item: a PIL image, or a DecodedVideo."""
         if settings:

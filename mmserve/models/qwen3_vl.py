@@ -104,6 +104,24 @@ class Family(qwen2_vl.Family):
     def meta(self, metadata: bytes) -> VideoMeta:
         return msgspec.msgpack.decode(metadata, type=VideoMeta)
 
+    def precomputed_metadata(self, modality: Modality, fields, settings: Mapping[str, Any]) -> bytes:
+        """The grid (as Qwen2-VL), and for a video `video_timestamps`: the time (s) of every temporal grid
+        step, rendered as text before its frame (so bounded: finite, in [0, 1e6])."""
+        if modality != Modality.VIDEO:
+            return super().precomputed_metadata(modality, fields, settings)
+        grid = self.precomputed_grid(modality, fields)
+        times = fields.floats("video_timestamps", grid[0], "seconds of every temporal grid step")
+        if not all(0 <= t <= 1e6 for t in times):
+            raise fields.invalid(f"'video_timestamps' {list(times)} must lie in [0, 1e6] seconds")
+        return msgspec.msgpack.encode(VideoMeta(grid, 1.0, times))
+
+    def precomputed_fields(self, modality: Modality, metadata: bytes) -> dict[str, torch.Tensor]:
+        meta = self.meta(metadata)
+        out = {f"{modality.value}_grid_thw": torch.tensor(meta.grid_thw)}
+        if modality == Modality.VIDEO:
+            out["video_timestamps"] = torch.tensor(meta.timestamps, dtype=torch.float64)
+        return out
+
     # -- processor ------------------------------------------------------------------------------------
     def process_video(self, video) -> TowerInput:
         """video: a DecodedVideo, frames (T, H, W, 3) uint8 at presentation times `video.timestamps_s`."""

@@ -1,9 +1,11 @@
 """OpenAI-style chat messages -> chat-template messages + the media references they carry.
 
 Content parts: `text`, `image_url` ({"url": ...} or a bare string), `video_url`, `audio_url`, `input_audio`
-({"data": base64, "format": "wav"}). Every media part becomes a placeholder part ({"type": "image"} ...) in
-the template messages, so the chat template emits exactly one placeholder per item. Malformed input raises
-ValueError naming the message and the part (HTTP 400 later).
+({"data": base64, "format": "wav"}), and precomputed embeddings `image_embeds` / `video_embeds` /
+`audio_embeds` (a base64 string, kept unparsed as an `EmbedsRef`: mmserve.multimodal.precomputed checks it
+against the model family; the server refuses them without --enable-mm-embeds). Every media part becomes a
+placeholder part ({"type": "image"} ...) in the template messages, so the chat template emits exactly one
+placeholder per item. Malformed input raises ValueError naming the message and the part (HTTP 400 later).
 """
 
 from __future__ import annotations
@@ -12,11 +14,13 @@ from typing import Any
 
 from mmserve.multimodal.items import Modality
 from mmserve.multimodal.media import MediaRef
+from mmserve.multimodal.precomputed import EmbedsRef, part_name
 
 _URL_PARTS = {"image_url": Modality.IMAGE, "video_url": Modality.VIDEO, "audio_url": Modality.AUDIO}
+_EMBEDS_PARTS = {part_name(m): m for m in Modality}
 _ROLES = {"system", "user", "assistant", "tool", "developer"}
 _PART_KEYS = {"text": {"type", "text"}, "input_audio": {"type", "input_audio"}} | {
-    k: {"type", k} for k in _URL_PARTS
+    k: {"type", k} for k in (*_URL_PARTS, *_EMBEDS_PARTS)
 }
 
 
@@ -42,12 +46,14 @@ def _url_of(part: dict[str, Any], key: str, where: str) -> str:
     return url
 
 
-def parse_messages(messages: Any) -> tuple[list[dict[str, Any]], list[tuple[Modality, MediaRef]]]:
+def parse_messages(
+    messages: Any,
+) -> tuple[list[dict[str, Any]], list[tuple[Modality, MediaRef | EmbedsRef]]]:
     """Returns (messages for the chat template, media references in prompt order)."""
     if not isinstance(messages, list) or not messages:
         raise ValueError("messages must be a non-empty list")
     template: list[dict[str, Any]] = []
-    media: list[tuple[Modality, MediaRef]] = []
+    media: list[tuple[Modality, MediaRef | EmbedsRef]] = []
     for i, message in enumerate(messages):
         where = f"messages[{i}]"
         if not isinstance(message, dict):
@@ -77,6 +83,10 @@ def parse_messages(messages: Any) -> tuple[list[dict[str, Any]], list[tuple[Moda
             elif kind in _URL_PARTS:
                 modality = _URL_PARTS[kind]
                 media.append((modality, MediaRef.parse(_url_of(part, kind, pwhere))))
+                parts.append({"type": modality.value})
+            elif kind in _EMBEDS_PARTS:
+                modality = _EMBEDS_PARTS[kind]
+                media.append((modality, EmbedsRef(part[kind], f"{pwhere} ({kind})")))
                 parts.append({"type": modality.value})
             elif kind == "input_audio":
                 audio = part.get("input_audio")

@@ -19,8 +19,10 @@ from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException
 
 from mmserve.config import ServerConfig
+from mmserve.multimodal import precomputed
 from mmserve.multimodal.errors import MediaError
 from mmserve.multimodal.messages import parse_messages
+from mmserve.multimodal.precomputed import EmbedsRef
 from mmserve.server.engine_client import EngineClient
 from mmserve.server.metrics import ServerMetrics
 from mmserve.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, usage
@@ -152,6 +154,14 @@ def build_app(
                 503, "server is at capacity; retry later", "queue_full", headers={"Retry-After": "1"}
             )
 
+    def require_cache_salt(body) -> None:
+        if cfg.cache_salt_required and body.cache_salt is None:
+            message = (
+                "cache_salt is required by this server (--cache-salt-required): a non-empty string "
+                "naming the tenant whose caches this request may use"
+            )
+            raise APIError(400, message, "missing_cache_salt")
+
     def max_tokens_of(body) -> int | None:
         requested = body.requested_max_tokens
         if requested is not None and requested >= max_model_len:
@@ -200,10 +210,15 @@ def build_app(
     async def chat(request: Request):
         body: ChatCompletionRequest = await parse(request, ChatCompletionRequest)
         check_model(body.model)
+        require_cache_salt(body)
         try:
             template, media = parse_messages(body.messages)
         except (ValueError, MediaError) as e:
             raise APIError(400, str(e), "invalid_messages") from e
+        embeds = [ref.where for _, ref in media if isinstance(ref, EmbedsRef)]
+        if embeds and not cfg.enable_mm_embeds:
+            disabled = "precomputed embeddings are disabled on this server; start it with --enable-mm-embeds"
+            raise APIError(400, f"{embeds[0]}: {disabled}", "embeds_disabled")
         limits = cfg.mm_limits
         for modality in {mod for mod, _ in media}:
             count = sum(1 for mod, _ in media if mod == modality)
@@ -224,16 +239,26 @@ def build_app(
                     "unsupported_media",
                 )
         settings = family.item_settings([mod for mod, _ in media])
-        items = [
-            MediaItemMsg(mod.value, url=ref.url, data=ref.data, settings=s)
-            for (mod, ref), s in zip(media, settings, strict=True)
-        ]
+
+        def item_msgs() -> list[MediaItemMsg]:  # precomputed embeddings are decoded and checked here
+            return [
+                precomputed.item_msg(family, mod, ref, s, cfg.max_mm_embeds_bytes, body.cache_salt)
+                if isinstance(ref, EmbedsRef)
+                else MediaItemMsg(mod.value, url=ref.url, data=ref.data, settings=s)
+                for (mod, ref), s in zip(media, settings, strict=True)
+            ]
+
+        try:  # decoding and checking embeddings is CPU work: off the event loop
+            items = await asyncio.to_thread(item_msgs) if embeds else item_msgs()
+        except MediaError as e:
+            raise APIError.of(e.failure) from e
         return await generate(request, body, "chat", prompt_ids, items)
 
     @app.post("/v1/completions", openapi_extra=_json_body(CompletionRequest))
     async def completions(request: Request):
         body: CompletionRequest = await parse(request, CompletionRequest)
         check_model(body.model)
+        require_cache_salt(body)
         if isinstance(body.prompt, str):
             prompt_ids = tokenize(body.prompt)
         elif all(isinstance(t, int) for t in body.prompt):
@@ -264,6 +289,7 @@ def build_app(
             items,
             params,
             dispatcher,
+            cache_salt=body.cache_salt,
         )
         admitting.add(gen.request_id)
         try:
@@ -332,14 +358,28 @@ def build_app(
         return url.rstrip("/"), body
 
     secret = cluster_auth.from_config(cfg.cluster_secret)
+    closed = (
+        "encoder registration and listing are off: this server has no cluster secret. Set --cluster-secret "
+        "(or $MMSERVE_CLUSTER_SECRET) on the server and its encoders, or start the server with "
+        "--enable-anonymous-registration"
+    )
 
-    def check_cluster_token(request: Request) -> None:
-        if secret is not None and not secret.check_token(request.headers.get(HTTP_HEADER)):
-            raise APIError(401, f"missing or invalid {HTTP_HEADER} (cluster secret)", "invalid_cluster_token")
+    def check_control_plane(request: Request) -> None:
+        """Gate of the control plane, checked before the body is read. These routes choose where users' media
+        is sent and disclose internal endpoints, so the API key (a client credential) never opens them: with
+        a cluster secret, its token (401 without it); without one, nothing (403) unless the operator started
+        the server with --enable-anonymous-registration."""
+        if secret is not None:
+            if not secret.check_token(request.headers.get(HTTP_HEADER)):
+                raise APIError(
+                    401, f"missing or invalid {HTTP_HEADER} (cluster secret)", "invalid_cluster_token"
+                )
+        elif not cfg.anonymous_control_plane:
+            raise APIError(403, closed, "control_plane_disabled", "permission_error")
 
     @app.post("/register_encoder")
     async def register_encoder(request: Request):
-        check_cluster_token(request)
+        check_control_plane(request)
         url, body = await encoder_url(request)
         registry = dispatcher.registry
         if body.get("heartbeat") and registry.is_unregistered(url):
@@ -353,16 +393,18 @@ def build_app(
 
     @app.post("/unregister_encoder")
     async def unregister_encoder(request: Request):
-        check_cluster_token(request)
+        check_control_plane(request)
         url, _ = await encoder_url(request)
         if not dispatcher.registry.unregister(url):
             raise APIError(404, f"encoder {url} is not registered", "encoder_not_found")
         return {"url": url, "registered": False}
 
     @app.get("/encoders")
-    async def encoders():
+    async def encoders(request: Request):
+        check_control_plane(request)
         return {"encoders": [e.as_json() for e in dispatcher.registry.all()], "routing": cfg.encoder_routing,
-                "embedding_endpoint": dispatcher.embedding_endpoint, "failovers": dispatcher.failovers,
+                "embedding_endpoint": dispatcher.routes.endpoints["tcp"],
+                "embedding_endpoints": dict(dispatcher.routes.endpoints), "transport": dispatcher.routes.transport, "failovers": dispatcher.failovers,
                 "local_fallbacks": dispatcher.local_fallbacks}  # fmt: skip
 
     # -- operations -------------------------------------------------------------------------------
@@ -380,7 +422,7 @@ def build_app(
                 "num_running": stats.num_running, "num_waiting": stats.num_waiting,
                 "in_flight": client.num_in_flight, "parts_received": stats.parts_received,
                 "parts_dropped": stats.parts_dropped, "parts_forged": stats.parts_forged,
-                "parts_replayed": stats.parts_replayed}  # fmt: skip
+                "parts_replayed": stats.parts_replayed, "transfer_held_bytes": stats.transfer_held_bytes}  # fmt: skip
         return JSONResponse(body, status_code=200 if stats.integrity_error == "" else 500)
 
     @app.get("/metrics")

@@ -52,6 +52,12 @@ class EncoderWorkers:
                 import json
 
                 cmd += ["--mm-processor-kwargs", json.dumps(dict(engine_cfg.mm_processor_kwargs))]
+            if (store := engine_cfg.embedding_store) is not None:
+                cmd += ["--embedding-store", store.url, "--embedding-store-local-host", store.local_host,
+                        "--embedding-store-segment-mb", str(store.segment_mb),
+                        "--embedding-store-buffer-mb", str(store.buffer_mb),
+                        "--embedding-store-timeout-s", str(store.timeout_s),
+                        "--embedding-store-retry-s", str(store.retry_s)]  # fmt: skip
             self.procs.append(subprocess.Popen(cmd, env=child_env(cluster_secret)))
             self.urls.append(f"http://127.0.0.1:{port}")
 

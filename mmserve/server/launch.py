@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import ipaddress
 import logging
 import signal
+import sys
 
 import uvicorn
 
 from mmserve.config import EngineConfig, ServerConfig
-from mmserve.dispatch.dispatcher import Dispatcher
+from mmserve.dispatch.dispatcher import Dispatcher, ReplyRoutes
 from mmserve.dispatch.policy import make_policy
 from mmserve.dispatch.registry import EncoderRegistry, RegistryConfig
 from mmserve.server.encoder_workers import EncoderWorkers
@@ -26,7 +29,7 @@ logger = logging.getLogger("mmserve.server")
 
 
 def build_dispatcher(
-    server_cfg: ServerConfig, engine_cfg: EngineConfig, client: EngineClient, ready
+    server_cfg: ServerConfig, engine_cfg: EngineConfig, client: EngineClient, ready, local_urls=()
 ) -> Dispatcher:
     registry = EncoderRegistry(RegistryConfig(
         failure_threshold=server_cfg.encoder_failure_threshold, drop_after_s=server_cfg.encoder_drop_after_s,
@@ -34,9 +37,45 @@ def build_dispatcher(
     ))  # fmt: skip
     # Two attempts per part (first encoder, one retry) must fit well inside the engine's deadline.
     secret = cluster_auth.from_config(server_cfg.cluster_secret)
-    return Dispatcher(registry, make_policy(server_cfg.encoder_routing), client, ready.embedding_endpoint,
+    routes = ReplyRoutes(ready.embedding_endpoints, server_cfg.encoder_transport, frozenset(local_urls))
+    return Dispatcher(registry, make_policy(server_cfg.encoder_routing), client, routes,
                       ready.has_tower, attempt_timeout_s=engine_cfg.encode_timeout_s / 3,
-                      headers=secret.headers if secret else None)  # fmt: skip
+                      headers=secret.headers if secret else None,
+                      min_items=server_cfg.encoder_dispatch_min_items)  # fmt: skip
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def engine_transports(server_cfg: ServerConfig) -> tuple[str, ...]:
+    """The transports the engine must offer for the encoders this server will use (tcp always: encoders
+    registered at runtime may be anywhere)."""
+    wanted = {"tcp", server_cfg.encoder_transport}
+    if server_cfg.encoder_transport == "auto" and server_cfg.encoder_workers:
+        wanted.add("shm")
+    return tuple(t for t in ("tcp", "shm", "mooncake") if t in wanted)
+
+
+def warn_about_control_plane(cfg: ServerConfig) -> None:
+    """Says loudly, in the log and on stderr, when the control plane is open to anyone (see api.py)."""
+    if cfg.anonymous_control_plane:
+        message = (
+            "anonymous encoder registration is ON (--enable-anonymous-registration, no cluster secret): "
+            f"anyone who can reach http://{cfg.host}:{cfg.port} can register an encoder and have other users' "
+            "media sent to it, unregister encoders, and read internal endpoints from /encoders. Outside a "
+            "trusted network, set --cluster-secret instead."
+        )
+        logger.warning("%s", message)
+        print(f"mmserve: WARNING: {message}", file=sys.stderr, flush=True)
+    elif cfg.enable_anonymous_registration:
+        logger.warning(
+            "--enable-anonymous-registration is ignored: with a cluster secret set, the control plane "
+            "always requires its token"
+        )
 
 
 async def serve_async(server_cfg: ServerConfig, engine_cfg: EngineConfig) -> int:
@@ -45,6 +84,14 @@ async def serve_async(server_cfg: ServerConfig, engine_cfg: EngineConfig) -> int
     from mmserve.server.api import build_app
     from mmserve.server.metrics import ServerMetrics
 
+    warn_about_control_plane(server_cfg)
+    if server_cfg.cluster_secret is None and not _is_loopback(engine_cfg.embedding_host):
+        logger.warning(
+            "--embedding-host %s without a cluster secret: anyone who can reach it can push embeddings into "
+            "other users' requests; set --cluster-secret",
+            engine_cfg.embedding_host,
+        )
+    engine_cfg = dataclasses.replace(engine_cfg, embedding_transports=engine_transports(server_cfg))
     exit_code = 0
     server: uvicorn.Server | None = None
 
@@ -77,7 +124,7 @@ async def serve_async(server_cfg: ServerConfig, engine_cfg: EngineConfig) -> int
     print(f"mmserve: engine ready: KV cache {ready.kv_cache_tokens} tokens "
           f"({ready.kv_cache_bytes / 2**20:.1f} MB, {ready.kv_bytes_per_token} bytes/token), "
           f"max model len {ready.max_model_len}", flush=True)  # fmt: skip
-    dispatcher = build_dispatcher(server_cfg, engine_cfg, client, ready)
+    dispatcher = build_dispatcher(server_cfg, engine_cfg, client, ready, workers.urls)
     try:
         await workers.wait_healthy(server_cfg.engine_start_timeout_s)
     except RuntimeError as e:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from mmserve.encoder.embedding_store import METRIC_DOCS as STORE_METRIC_DOCS
 from mmserve.transport.messages import StatsMsg
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -63,6 +64,11 @@ class ServerMetrics:
         )
         self.parts_forged = gauge("embedding_parts_forged", "Parts dropped for a missing or wrong HMAC")
         self.parts_replayed = gauge("embedding_parts_replayed", "Signed parts dropped as replays or stale")
+        self.transfer_held = gauge(
+            "transfer_held_bytes", "Shared-memory / Mooncake pool bytes live requests view"
+        )
+        # The engine's local encoder's global embedding store (--embedding-store); absent: all 0.
+        self.store = {name: gauge(f"embedding_store_{name}", doc) for name, doc in STORE_METRIC_DOCS.items()}
         self.model_name = model_name
 
     def update_engine(self, stats: StatsMsg | None) -> None:
@@ -81,6 +87,10 @@ class ServerMetrics:
         self.parts_forged.set(stats.parts_forged)
         self.preemptions.set(stats.num_preemptions)
         self.parts_replayed.set(stats.parts_replayed)
+        self.transfer_held.set(stats.transfer_held_bytes)
+        for name, value in stats.embedding_store.items():
+            if name in self.store:
+                self.store[name].set(value)
 
     def record_error(self, status: int) -> None:
         self.errors.labels(self.model_name, str(status)).inc()

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, field_validator
 
+from mmserve.engine.cache_salt import MAX_CACHE_SALT_CHARS, check_cache_salt
 from mmserve.engine.sampling_params import SamplingParams
 
 
@@ -75,11 +76,19 @@ class _SamplingFields(BaseModel):
     n: int = Field(default=1, ge=1, le=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
+    # Tenant scope of the prefix and embedding caches (vLLM's field): equal salts share hits, others never.
+    cache_salt: StrictStr | None = Field(default=None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
     # Accepted and ignored: they cannot change the output (README, "Request fields").
     user: str | None = None
     metadata: dict[str, str] | None = None
     store: bool | None = None
     service_tier: str | None = None
+
+    @field_validator("cache_salt")
+    @classmethod
+    def _cache_salt_is_text(cls, salt: str | None) -> str | None:
+        check_cache_salt(salt)  # e.g. a lone surrogate, which could not travel to the engine
+        return salt
 
     def ignored_fields(self) -> list[str]:
         """The fields of IGNORED_FIELDS this request set."""

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from mmserve.engine.detokenizer import IncrementalDetokenizer
 from mmserve.engine.sampling_params import SamplingParams
+from mmserve.multimodal.precomputed import to_encode
 from mmserve.server.engine_client import EngineClient, EngineDeadError
 from mmserve.server.metrics import ServerMetrics
 from mmserve.server.protocol import APIError
@@ -43,6 +44,7 @@ class Generation:
     media: list[m.MediaItemMsg]
     params: SamplingParams  # max_tokens None: up to the context length
     dispatcher: object | None = None  # mmserve.dispatch.dispatcher.Dispatcher
+    cache_salt: str | None = None  # tenant scope of every cache (mmserve.engine.cache_salt)
     start_time: float = field(default_factory=time.perf_counter)
     prompt_tokens: int = 0
     cached_tokens: int = 0
@@ -60,14 +62,19 @@ class Generation:
         try:
             self._stream = self.client.generate(
                 m.GenerateReq(
-                    self.request_id, self.prompt_token_ids, self.media, self.params, num_parts=len(parts)
+                    self.request_id,
+                    self.prompt_token_ids,
+                    self.media,
+                    self.params,
+                    num_parts=len(parts),
+                    cache_salt=self.cache_salt,
                 )
             )
             pending = asyncio.ensure_future(anext(self._stream))  # sends the request to the engine first
             if parts:
                 # Held here: the event loop keeps only a weak reference to a task.
                 self._dispatch = asyncio.ensure_future(
-                    self.dispatcher.run(self.request_id, self.media, parts)
+                    self.dispatcher.run(self.request_id, to_encode(self.media), parts, self.cache_salt)
                 )
                 self._dispatch.add_done_callback(self._dispatched)
             first = await pending
@@ -83,10 +90,14 @@ class Generation:
         self.metrics.encode_time.observe(first.encode_s)
 
     def _plan_parts(self) -> list:
-        """EPD parts for this request's media; [] to encode in the engine. Raises APIError 503 when neither can."""
-        if not self.media or self.dispatcher is None:
+        """EPD parts for this request's media still to encode (precomputed embeddings never go to an encoder;
+        parts index `to_encode(media)`); [] to encode in the engine. Raises APIError 503 when neither can."""
+        media = to_encode(self.media)
+        if not media or self.dispatcher is None:
             return []
-        parts = self.dispatcher.plan(self.media)
+        if self.dispatcher.engine_has_tower and len(media) < self.dispatcher.min_items:
+            return []  # adaptive dispatch: too few items to be worth an encoder's round trip
+        parts = self.dispatcher.plan(media)
         if parts is not None:
             return parts
         if self.dispatcher.engine_has_tower:

@@ -3,9 +3,11 @@
 One secret, set on every process of a deployment (flag or the `MMSERVE_CLUSTER_SECRET` environment
 variable), protects the two internal surfaces:
 
-* HTTP: `POST /encode` on encoders and `/register_encoder`, `/unregister_encoder` on language servers
-  require the header `X-MMServe-Cluster-Token`. The token is derived from the secret, never the secret
-  itself, so a token seen on the wire does not give away the key that signs embeddings.
+* HTTP: `POST /encode` on encoders and the control plane of language servers (`/register_encoder`,
+  `/unregister_encoder`, `/encoders`) require the header `X-MMServe-Cluster-Token`. The token is derived
+  from the secret, never the secret itself, so a token seen on the wire does not give away the key that
+  signs embeddings. The API key never stands in for it. Without a secret, a language server keeps its
+  control plane closed (403) unless started with `--enable-anonymous-registration`; `/encode` is then open.
 * ZMQ embedding parts: the sender appends a third frame, HMAC-SHA256 over the header and payload frames
   (with both lengths, so bytes cannot move between frames; the payload enters as the SHA-256 digests of its
   1 MiB chunks, hashed in parallel). The receiver drops and counts parts whose
@@ -84,13 +86,14 @@ class ClusterSecret:
         if len(self.secret) < 16:
             raise ValueError("the cluster secret must be at least 16 bytes long")
 
-    def _derive(self, purpose: bytes) -> bytes:
+    def derive(self, purpose: bytes) -> bytes:
+        """A key for one purpose (HTTP token, part MAC, store entries), never the secret itself."""
         return hmac.new(self.secret, b"mmserve/" + purpose, hashlib.sha256).digest()
 
     @property
     def token(self) -> str:
         """What HTTP callers send in `HTTP_HEADER`."""
-        return self._derive(b"http-token").hex()
+        return self.derive(b"http-token").hex()
 
     @property
     def headers(self) -> dict[str, str]:
@@ -103,7 +106,7 @@ class ClusterSecret:
         """HMAC-SHA256 over the header (with its length) and the payload, the payload as the SHA-256 digests
         of its 1 MiB chunks (with its length): the chunks of a large payload are hashed on several threads."""
         h, p = _bytes(header), _bytes(payload)
-        mac = hmac.new(self._derive(b"embedding-mac"), len(h).to_bytes(8, "little"), hashlib.sha256)
+        mac = hmac.new(self.derive(b"embedding-mac"), len(h).to_bytes(8, "little"), hashlib.sha256)
         mac.update(h)
         mac.update(len(p).to_bytes(8, "little"))
         for digest in _chunk_digests(p):

@@ -108,32 +108,67 @@ def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
 
 
-def _header_bytes(
-    request_id: str,
-    part_index: int,
-    num_parts: int,
-    encoder: str,
-    items: list[ItemHeader],
-    error: Failure | None,
-) -> bytes:
-    header = PartHeader(WIRE_VERSION, request_id, part_index, num_parts, encoder, items, error, time.time())
-    return msgspec.msgpack.encode(header)
-
-
 def _align_up(n: int) -> int:
     return -(-n // ITEM_ALIGN) * ITEM_ALIGN
 
 
-def encode_part(
-    request_id: str, part_index: int, num_parts: int, encoder: str, items: list[EmbeddingItem]
-) -> list[bytes | memoryview]:
-    """Encode a part as ``[header, payload]`` frames; mutates nothing.
+@dataclass
+class OutgoingPart:
+    """A part laid out for sending: each transport writes the payload where it wants it (a ZMQ frame, a
+    shared-memory region, a buffer registered with Mooncake) and sends the header beside it."""
 
-    A part holding a single contiguous CPU tensor is sent zero-copy: the payload frame aliases the caller's
-    tensor memory, and ZMQ may still read it after ``send`` returns (and an ``inproc://`` receiver may view
-    it in place), so embeddings must not be modified in place once handed over. Several tensors are
-    gathered into one fresh buffer (one copy), each starting at a multiple of :data:`ITEM_ALIGN` bytes.
-    """
+    request_id: str
+    part_index: int
+    num_parts: int
+    encoder: str
+    items: list[ItemHeader]
+    flats: list[torch.Tensor]  # flat uint8 views of the tensors, in payload order
+    nbytes: int  # payload size
+    error: Failure | None = None
+
+    def header(self) -> bytes:
+        """The msgpack header, stamped with the send time (the replay window and transfer metrics)."""
+        header = PartHeader(
+            WIRE_VERSION,
+            self.request_id,
+            self.part_index,
+            self.num_parts,
+            self.encoder,
+            self.items,
+            self.error,
+            time.time(),
+        )
+        return msgspec.msgpack.encode(header)
+
+    def write_into(self, dest: torch.Tensor) -> None:
+        """Write the payload into the uint8 tensor ``dest`` (at least ``nbytes`` long), gaps zeroed."""
+        pos = 0
+        offsets = (t.offset for h in self.items for t in h.tensors)
+        for offset, flat in zip(offsets, self.flats, strict=True):
+            dest[pos:offset].zero_()  # padding: never leak stale process memory onto the wire
+            dest[offset : offset + flat.numel()].copy_(flat)
+            pos = offset + flat.numel()
+
+    def payload(self) -> bytes | memoryview:
+        """The payload as one buffer: a single contiguous tensor is sent as itself (zero-copy: it must not
+        be modified afterwards, ZMQ may still read it after ``send`` returns); several are gathered once."""
+        if not self.flats:
+            return b""
+        if len(self.flats) == 1:
+            buf = self.flats[0]
+        else:
+            buf = torch.empty(self.nbytes, dtype=torch.uint8)
+            self.write_into(buf)
+        return memoryview(buf.numpy())  # keeps the tensor alive for as long as ZMQ holds the frame
+
+    def frames(self) -> list[bytes | memoryview]:
+        return [self.header(), self.payload()]
+
+
+def build_part(
+    request_id: str, part_index: int, num_parts: int, encoder: str, items: list[EmbeddingItem]
+) -> OutgoingPart:
+    """Lay out a part (no copy yet): every tensor starts at a multiple of :data:`ITEM_ALIGN` bytes."""
     for entry in items:
         _check_item(entry)
     flats: list[torch.Tensor] = []
@@ -144,15 +179,8 @@ def encode_part(
         for name, tensor in entry.item.tensors.items():
             flat = _flat_bytes(tensor)
             offset = _align_up(end)
-            tensors.append(
-                TensorHeader(
-                    name,
-                    _DTYPE_NAMES[tensor.dtype],
-                    tuple(int(x) for x in tensor.shape),
-                    offset,
-                    flat.numel(),
-                )
-            )
+            dtype, shape = _DTYPE_NAMES[tensor.dtype], tuple(int(x) for x in tensor.shape)
+            tensors.append(TensorHeader(name, dtype, shape, offset, flat.numel()))
             flats.append(flat)
             end = offset + flat.numel()
         it = entry.item
@@ -161,28 +189,27 @@ def encode_part(
                 entry.item_index, bytes(it.content_hash), it.modality.value, bytes(it.metadata), tensors
             )
         )
-    offsets = [t.offset for h in headers for t in h.tensors]
-    if not flats:
-        payload: bytes | memoryview = b""
-    else:
-        if len(flats) == 1:
-            buf = flats[0]
-        else:
-            buf = torch.empty(end, dtype=torch.uint8)
-            pos = 0
-            for offset, flat in zip(offsets, flats, strict=True):
-                buf[pos:offset].zero_()  # padding: never leak stale process memory onto the wire
-                buf[offset : offset + flat.numel()].copy_(flat)
-                pos = offset + flat.numel()
-        payload = memoryview(buf.numpy())  # keeps the tensor alive for as long as ZMQ holds the frame
-    return [_header_bytes(request_id, part_index, num_parts, encoder, headers, None), payload]
+    return OutgoingPart(request_id, part_index, num_parts, encoder, headers, flats, end)
+
+
+def error_part(
+    request_id: str, part_index: int, num_parts: int, encoder: str, error: Failure
+) -> OutgoingPart:
+    """A failed part: a header carrying ``error``, no items, an empty payload."""
+    return OutgoingPart(request_id, part_index, num_parts, encoder, [], [], 0, error)
+
+
+def encode_part(
+    request_id: str, part_index: int, num_parts: int, encoder: str, items: list[EmbeddingItem]
+) -> list[bytes | memoryview]:
+    """A part as ``[header, payload]`` frames (see :meth:`OutgoingPart.payload` on zero-copy)."""
+    return build_part(request_id, part_index, num_parts, encoder, items).frames()
 
 
 def encode_error(
     request_id: str, part_index: int, num_parts: int, encoder: str, error: Failure
-) -> list[bytes]:
-    """Encode a failed part: a header carrying ``error``, no items, and an empty payload frame."""
-    return [_header_bytes(request_id, part_index, num_parts, encoder, [], error), b""]
+) -> list[bytes | memoryview]:
+    return error_part(request_id, part_index, num_parts, encoder, error).frames()
 
 
 # -- decoding ------------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ import msgspec
 
 from mmserve.engine.sampling_params import SamplingParams
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 
 class Failure(msgspec.Struct, frozen=True):
@@ -24,6 +24,22 @@ class Failure(msgspec.Struct, frozen=True):
     message: str
 
 
+class TensorData(msgspec.Struct, frozen=True):
+    name: str  # "main" or an extra's name (e.g. "deepstack.0")
+    dtype: str  # "float32" | "bfloat16" | "float16"
+    shape: tuple[int, ...]
+    data: bytes  # raw C-order bytes
+
+
+class PrecomputedEmbedding(msgspec.Struct, frozen=True):
+    """An item embedding the client supplied (--enable-mm-embeds), already checked against the model family
+    by the API server (mmserve.multimodal.precomputed): the engine admits it as is; no encoder sees it."""
+
+    content_hash: bytes  # 16 bytes
+    metadata: bytes  # the family's
+    tensors: list[TensorData]
+
+
 class MediaItemMsg(msgspec.Struct, frozen=True):
     modality: str  # "image" | "video" | "audio"
     url: str | None = None  # http(s) / data: / file://
@@ -31,6 +47,7 @@ class MediaItemMsg(msgspec.Struct, frozen=True):
     # Per-item processing settings the model family derives from the whole request (e.g. LLaVA-OneVision
     # tiles an image only when it is the request's only image); they enter the item's content hash.
     settings: dict[str, Any] = {}
+    embedding: PrecomputedEmbedding | None = None  # set: a precomputed item (no url / data)
 
 
 # -- API server -> engine ------------------------------------------------------------------------
@@ -40,6 +57,8 @@ class GenerateReq(msgspec.Struct, tag="generate"):
     media: list[MediaItemMsg]
     sampling: SamplingParams  # max_tokens None: up to the context length (and the KV capacity)
     num_parts: int = 0  # > 0: embeddings arrive from encoders in this many parts; 0: encode in-process
+    # Tenant scope of the prefix cache and of every item's content hash (mmserve.engine.cache_salt).
+    cache_salt: str | None = None
 
 
 class LocalEncodeReq(msgspec.Struct, tag="local_encode"):
@@ -81,7 +100,7 @@ class ReadyMsg(msgspec.Struct, tag="ready"):
     kv_cache_tokens: int
     kv_cache_bytes: int
     kv_bytes_per_token: int
-    embedding_endpoint: str  # where encoders push embedding parts
+    embedding_endpoints: dict[str, str]  # transport scheme -> where encoders push embedding parts
     has_tower: bool  # the engine can encode media itself (monolithic / local failover)
 
 
@@ -125,7 +144,13 @@ class StatsMsg(msgspec.Struct, tag="stats"):
     parts_forged: int = 0  # missing or wrong HMAC (cluster secret set)
     parts_replayed: int = 0  # valid HMAC seen before, or outside the freshness window
     kv_slots_used: int = 0
+    transfer_held_bytes: int = (
+        0  # transport pool bytes (shm, Mooncake) that tensors of live requests still view
+    )
     num_preemptions: int = 0  # running requests retracted (KV freed, recomputed later) since start
+    # The local encoder's global embedding store: StoreStats field -> value (mmserve.encoder.embedding_store);
+    # empty without a store.
+    embedding_store: dict[str, float] = {}
     integrity_error: str | None = None  # set when a PingReq asked for a check and it failed ("" = passed)
 
 

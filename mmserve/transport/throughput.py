@@ -1,6 +1,7 @@
-"""Loopback throughput of the embedding transport against raw ZMQ and a memcpy, for ``mmserve bench``.
+"""Loopback throughput of every embedding transport against raw ZMQ and a memcpy, for ``mmserve bench
+transfer``.
 
-Not a test: figures depend on the machine. All three are measured in one process and one run so they
+Not a test: figures depend on the machine. All paths are measured in one process and one run so they
 are comparable, in interleaved rounds whose order alternates, so that drift in machine load (a few noisy
 cores) hits all three alike; each figure is the median over every round's transfers, each round's
 warm-up transfer excluded.
@@ -18,9 +19,9 @@ import torch
 import zmq
 
 from mmserve.multimodal.items import MAIN, ItemEmbedding, Modality
-from mmserve.transport.cluster_auth import ClusterSecret, PartVerifier
-from mmserve.transport.embedding_wire import EmbeddingItem, encode_part
-from mmserve.transport.zmq_channel import EmbeddingReceiver, EmbeddingSender
+from mmserve.transport.channel import PartSenders, TransferConfig, bind_address, open_receiver
+from mmserve.transport.cluster_auth import ClusterSecret
+from mmserve.transport.embedding_wire import EmbeddingItem, build_part
 
 HIDDEN = 4096
 RECV_TIMEOUT_S = 30.0
@@ -57,16 +58,17 @@ def _timed_transfers(
     return times[1:]
 
 
-def _embedding_times(ctx: zmq.Context, emb: torch.Tensor, repeats: int, signed: bool = False) -> list[float]:
+def _embedding_times(scheme: str, emb: torch.Tensor, repeats: int, signed: bool = False) -> list[float]:
+    """build_part -> PartSenders.send -> receiver.recv_part -> tensors, over the transport ``scheme``."""
     item = EmbeddingItem(0, ItemEmbedding(Modality.IMAGE, b"\0" * 16, {MAIN: emb}))
     secret = ClusterSecret(b"throughput-benchmark-secret") if signed else None
-    receiver = EmbeddingReceiver(
-        "tcp://127.0.0.1:0", ctx=ctx, verifier=PartVerifier(secret) if signed else None
-    )
-    sender = EmbeddingSender(send_timeout_s=RECV_TIMEOUT_S, ctx=ctx, signer=secret)
+    pool_mb = 4 * emb.numel() * emb.element_size() / 2**20 + 1
+    cfg = TransferConfig(RECV_TIMEOUT_S, shm_pool_mb=pool_mb, mooncake_pool_mb=pool_mb)
+    receiver = open_receiver(bind_address(scheme, "127.0.0.1"), cfg, secret)
+    sender = PartSenders(cfg, signer=secret)
     try:
         return _timed_transfers(
-            lambda: sender.send(receiver.endpoint, encode_part("bench", 0, 1, "local", [item])),
+            lambda: sender.send(receiver.endpoint, build_part("bench", 0, 1, "local", [item])),
             lambda: receiver.recv_part(RECV_TIMEOUT_S),
             repeats,
         )
@@ -100,30 +102,37 @@ def _memcpy_times(emb: torch.Tensor, repeats: int) -> list[float]:
     return times[1:]
 
 
-def measure(size_mb: float, repeats: int = 5, rounds: int = 3) -> dict[str, float]:
+PATHS = ("tcp", "tcp_signed", "ipc", "shm", "shm_signed", "mooncake", "zmq_raw", "memcpy")
+
+
+def measure(
+    size_mb: float, repeats: int = 5, rounds: int = 3, paths: tuple[str, ...] = PATHS
+) -> dict[str, float]:
     """GB/s (1e9 bytes/s) moving a float32 (tokens, 4096) tensor of ``size_mb`` MiB over loopback.
 
-    Keys: ``embedding`` (encode_part -> EmbeddingSender.send -> EmbeddingReceiver.recv_part -> tensor),
-    ``embedding_signed`` (the same with a cluster secret: HMAC-SHA256 signed and verified),
+    Paths: ``tcp`` / ``ipc`` / ``shm`` / ``mooncake`` (a part through that transport, sender to receiver
+    to tensors), ``*_signed`` (the same with a cluster secret: HMAC-SHA256 signed and verified),
     ``zmq_raw`` (one copy=False frame, PUSH/PULL over tcp://127.0.0.1), ``memcpy`` (torch clone). Each is
-    the median of ``rounds`` x ``repeats`` timed transfers. Owns and closes a private ZMQ context; mutates
-    nothing else.
+    the median of ``rounds`` x ``repeats`` timed transfers. Owns and closes every socket and pool it opens.
     """
     num_tokens = max(1, round(size_mb * 2**20 / (HIDDEN * 4)))
     emb = torch.randn(num_tokens, HIDDEN, dtype=torch.float32)
     nbytes = emb.numel() * emb.element_size()
     ctx = zmq.Context()
-    runs: dict[str, Callable[[], list[float]]] = {
-        "embedding": lambda: _embedding_times(ctx, emb, repeats),
-        "embedding_signed": lambda: _embedding_times(ctx, emb, repeats, signed=True),
-        "zmq_raw": lambda: _raw_zmq_times(ctx, emb, repeats),
-        "memcpy": lambda: _memcpy_times(emb, repeats),
-    }
-    times: dict[str, list[float]] = {name: [] for name in runs}
+
+    def run(path: str) -> list[float]:
+        if path == "zmq_raw":
+            return _raw_zmq_times(ctx, emb, repeats)
+        if path == "memcpy":
+            return _memcpy_times(emb, repeats)
+        scheme, _, signed = path.partition("_")
+        return _embedding_times(scheme, emb, repeats, signed=bool(signed))
+
+    times: dict[str, list[float]] = {path: [] for path in paths}
     try:
         for r in range(rounds):
-            for name in list(runs) if r % 2 == 0 else reversed(list(runs)):
-                times[name] += runs[name]()
+            for path in paths if r % 2 == 0 else reversed(paths):
+                times[path] += run(path)
     finally:
         ctx.term()
-    return {name: nbytes / statistics.median(ts) / 1e9 for name, ts in times.items()}
+    return {path: nbytes / statistics.median(ts) / 1e9 for path, ts in times.items()}

@@ -1,7 +1,8 @@
-"""ZMQ PUSH/PULL channel carrying embedding parts (see ``embedding_wire``) from encoders to the engine.
+"""The ``tcp://`` and ``ipc://`` transports: ZMQ PUSH/PULL carrying embedding parts (see ``embedding_wire``).
 
 Encoders hold one :class:`EmbeddingSender` (a PUSH socket per destination, reused across parts); the
-engine binds one :class:`EmbeddingReceiver` (a PULL socket) that every encoder connects to.
+engine binds one :class:`EmbeddingReceiver` (a PULL socket) that every encoder connects to. The payload
+travels in the message itself; the receiver's tensors view the received frame in place.
 """
 
 from __future__ import annotations
@@ -14,16 +15,15 @@ from types import TracebackType
 
 import zmq
 
+from mmserve.transport.channel import SendTimeout, TransferConfig
 from mmserve.transport.cluster_auth import ClusterSecret, PartVerifier
-from mmserve.transport.embedding_wire import NUM_FRAMES, EmbeddingItem, PartHeader, decode_part
+from mmserve.transport.embedding_wire import NUM_FRAMES, EmbeddingItem, OutgoingPart, PartHeader, decode_part
+
+__all__ = ["EmbeddingReceiver", "EmbeddingSender", "SendTimeout", "open_receiver", "open_sender"]
 
 # Messages (parts) queued per endpoint before send blocks; parts are large, so keep these modest.
 SEND_HWM = 16
 RECV_HWM = 64
-
-
-class SendTimeout(TimeoutError):
-    """The destination did not take a message within the sender's timeout."""
 
 
 @dataclass
@@ -83,13 +83,18 @@ class EmbeddingSender:
                 self._endpoints[endpoint] = ep
             return ep
 
-    def send(self, endpoint: str, frames: Sequence[bytes | memoryview | zmq.Frame]) -> None:
-        """Send one multipart message to ``endpoint``, connecting on first use.
+    def stats(self) -> dict[str, float]:
+        return {}
+
+    def send(self, endpoint: str, frames: OutgoingPart | Sequence[bytes | memoryview | zmq.Frame]) -> None:
+        """Send one part (or raw multipart message) to ``endpoint``, connecting on first use.
 
         Frames are sent without copying, so their buffers must stay unmodified after this returns.
         Raises :class:`SendTimeout` when the peer is absent or does not take the message (its queue is
         full) within ``send_timeout_s``; nothing of the message is sent in that case.
         """
+        if isinstance(frames, OutgoingPart):
+            frames = frames.frames()
         if self._signer is not None:
             frames = self._signer.sign(frames)
         ep = self._endpoint(endpoint)
@@ -153,6 +158,10 @@ class EmbeddingReceiver:
             self.close()
             raise
         self.endpoint: str = self.socket.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.pollable = self.socket
+
+    def stats(self) -> dict[str, float]:
+        return {}
 
     def recv_part(
         self, timeout_s: float, *, copy: bool = False
@@ -195,3 +204,11 @@ class EmbeddingReceiver:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.close()
+
+
+def open_sender(cfg: TransferConfig, signer: ClusterSecret | None) -> EmbeddingSender:
+    return EmbeddingSender(cfg.send_timeout_s, signer=signer)
+
+
+def open_receiver(bind: str, cfg: TransferConfig, secret: ClusterSecret | None) -> EmbeddingReceiver:
+    return EmbeddingReceiver(bind, verifier=PartVerifier(secret) if secret else None)
