@@ -6,7 +6,7 @@ import argparse
 import json
 import shlex
 
-RUN_ALIASES = {"run", "compare", "engine", "epd"}
+RUN_ALIASES = {"run", "compare", "engine", "epd", "transfer"}
 
 
 def _workload(args: argparse.Namespace):
@@ -97,7 +97,14 @@ def _epd(args: argparse.Namespace) -> int:
     from mmserve.bench.workload import parse_size
 
     configs = {name: shlex.split(flags) for name, _, flags in (spec.partition("=") for spec in args.config)}
-    results = epd_bench.run(args.model, configs, args.rounds, parse_size(args.image_size), images=args.images)
+    results = epd_bench.run(
+        args.model,
+        configs,
+        args.rounds,
+        parse_size(args.image_size),
+        images=args.images,
+        same_images=args.same_images,
+    )
     print(epd_bench.report(results))
     return 0
 
@@ -182,6 +189,11 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--image-size", default="448x448", help="WxH")
     p.add_argument(
         "--images", type=int, default=1, help="images per request (the adaptive-dispatch crossover)"
+    )
+    p.add_argument(
+        "--same-images",
+        action="store_true",
+        help="send each round's images to every configuration in turn (store hits after the first)",
     )
     p.set_defaults(func=_epd)
 

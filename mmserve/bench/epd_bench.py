@@ -2,7 +2,8 @@
 
 Launches the configurations as real servers (`mmserve serve ...` subprocesses on loopback), then sends
 the same workload to each in alternation: one request at a time, `images` freshly generated images per
-request (so no cache hit), a short prompt and one output token; TTFT is measured by the client as the time to the
+request (so no cache hit; with `same_images` each round's images go to every configuration in turn: servers
+sharing a global embedding store then show a miss on the first and store hits on the others), a short prompt and one output token; TTFT is measured by the client as the time to the
 first streamed content chunk. Reports the median per configuration and the ratio to the first.
 """
 
@@ -46,7 +47,7 @@ def ttft(url: str, image_uris: list[str], timeout_s: float = 300.0) -> float:
 
 
 def run(model_dir: str, configs: dict[str, list[str]], rounds: int, image_size: tuple[int, int],
-        warmup: int = 2, images: int = 1) -> dict[str, list[float]]:  # fmt: skip
+        warmup: int = 2, images: int = 1, same_images: bool = False) -> dict[str, list[float]]:  # fmt: skip
     results: dict[str, list[float]] = {name: [] for name in configs}
     with tempfile.TemporaryDirectory() as logs:
         servers = {
@@ -56,8 +57,9 @@ def run(model_dir: str, configs: dict[str, list[str]], rounds: int, image_size: 
         try:
             seed = 10_000
             for r in range(warmup + rounds):
-                for name, server in servers.items():
-                    seed += images
+                for i, (name, server) in enumerate(servers.items()):
+                    if i == 0 or not same_images:  # same_images: every configuration gets the round's images
+                        seed += images
                     t = ttft(server.url, [_uri(seed + i, image_size) for i in range(images)])
                     if r >= warmup:
                         results[name].append(t)
