@@ -24,7 +24,7 @@ from typing import Any
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from mmserve.config import EncoderConfig
 from mmserve.encoder.metrics import EncoderMetrics
@@ -44,6 +44,10 @@ logger = logging.getLogger("mmserve.encoder")
 
 
 class JobItem(BaseModel):
+    # A field this encoder does not know (a newer server's) is a 422, never silently dropped: an ignored
+    # cache_salt would have shared this cache across tenants.
+    model_config = ConfigDict(extra="forbid")
+
     item_index: int = Field(ge=0)
     modality: Modality
     url: str | None = None  # http(s) / data: / file://
@@ -52,6 +56,8 @@ class JobItem(BaseModel):
 
 
 class EncodeJob(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
     request_id: str = Field(min_length=1, max_length=256)
     part_index: int = Field(ge=0)
     num_parts: int = Field(ge=1)

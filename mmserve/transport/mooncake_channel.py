@@ -200,6 +200,7 @@ class MooncakeReceiver:
         return self._ready.get(timeout_s)
 
     def stats(self) -> dict[str, float]:
+        self._free_released()  # exact now, not at the thread's next turn (finalizers only append: no race)
         return {
             "mooncake_held_bytes": self._pool.regions.used_bytes,
             "mooncake_failed_transfers": self.failed_transfers,
@@ -232,8 +233,13 @@ class MooncakeReceiver:
                 self._router.send_multipart([identity, _encoder.encode(Ack(offer.seq, error))], zmq.NOBLOCK)
 
     def _free_released(self) -> None:
-        while self._releases:
-            self._pool.regions.free(self._releases.pop())
+        """Free the regions whose last view died (called by the receiver thread and by ``stats``)."""
+        while True:
+            try:
+                offset = self._releases.pop()  # atomic: each offset is freed by exactly one caller
+            except IndexError:
+                return
+            self._pool.regions.free(offset)
 
     def _take(self, offer: Offer) -> str:
         """Pull and hand over one part; returns the error to acknowledge with ("" when the bytes landed)."""
