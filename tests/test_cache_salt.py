@@ -74,8 +74,12 @@ def make_scheduler(num_slots: int = 256) -> Scheduler:
 def run_one(sched: Scheduler, prompt: list[int], cache_salt: str | None, max_tokens: int = 3) -> Request:
     """Admit one request and step it to completion as the engine does (prompt cached after its prefill);
     checks every invariant after each step. Returns the finished request."""
-    req = Request(f"r{next(_salts)}", prompt, SamplingParams(temperature=0, max_tokens=max_tokens),
-                  cache_salt=cache_salt)  # fmt: skip
+    req = Request(
+        f"r{next(_salts)}",
+        prompt,
+        SamplingParams(temperature=0, max_tokens=max_tokens),
+        cache_salt=cache_salt,
+    )
     sched.add(req)
     for _ in range(len(prompt) + max_tokens):  # bounded: one token per step at worst
         for chunk in sched.schedule():
@@ -144,8 +148,16 @@ def test_salt_enters_the_content_hash(tiny_qwen2_vl):
     hashed = encoder.family.hash_settings(image, {})
     assert unsalted == content_hash(image, b"bytes", {**hashed, "item": {}})  # unsalted hashes unchanged
     assert encoder.item_hash(image, b"bytes", {}, "a") == encoder.item_hash(image, b"bytes", {}, "a")
-    assert len({unsalted, encoder.item_hash(image, b"bytes", {}, "a"),
-                encoder.item_hash(image, b"bytes", {}, "b")}) == 3  # fmt: skip
+    assert (
+        len(
+            {
+                unsalted,
+                encoder.item_hash(image, b"bytes", {}, "a"),
+                encoder.item_hash(image, b"bytes", {}, "b"),
+            }
+        )
+        == 3
+    )
 
 
 # -- real servers ----------------------------------------------------------------------------------------
@@ -189,8 +201,13 @@ def post(url: str, path: str, body: dict) -> httpx.Response:
 
 
 def chat(url: str, case, cache_salt: str | None = None) -> dict:
-    body = {"model": "tiny", "messages": case.messages, "max_tokens": MAX_NEW, "temperature": 0,
-            "ignore_eos": True}  # fmt: skip
+    body = {
+        "model": "tiny",
+        "messages": case.messages,
+        "max_tokens": MAX_NEW,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
     if cache_salt is not None:
         body["cache_salt"] = cache_salt
     r = post(url, "/v1/chat/completions", body)
@@ -244,8 +261,13 @@ def test_text_only_prompts_share_no_prefix_across_salts(servers, expected):
     assert cached(chat(url, two, salt("b"))) == 0
     assert text(first) == expected(one)[0] and text(unsalted) == expected(two)[0]
     # Completions take the field too; a prompt starting with its own word isolates the unsalted case.
-    body = {"model": "tiny", "prompt": "Quokkas hop along", "max_tokens": 3, "temperature": 0,
-            "ignore_eos": True}  # fmt: skip
+    body = {
+        "model": "tiny",
+        "prompt": "Quokkas hop along",
+        "max_tokens": 3,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
     c = salt("c")
     salts = (c, c, salt("d"), None, None)
     outs = [post(url, "/v1/completions", {**body, "cache_salt": s}).json() for s in salts]

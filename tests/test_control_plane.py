@@ -47,16 +47,39 @@ def stack(tiny_qwen2_vl, tmp_path_factory):
     encoder_url = f"http://127.0.0.1:{encoder_port}"
     common = ("--kv-cache-mb", "16", "--language-only")  # no tower: media can only go through an encoder
     starts = {
-        "secured": lambda: start_server(tiny_qwen2_vl, *common, "--api-key", API_KEY, port=secured_port,
-                                        env={ENV_VAR: SECRET}, log_dir=logs),
-        "locked": lambda: start_server(tiny_qwen2_vl, *common, "--api-key", API_KEY, "--encoder-urls",
-                                       encoder_url, port=locked_port, log_dir=logs),
-        "anonymous": lambda: start_server(tiny_qwen2_vl, *common, "--enable-anonymous-registration",
-                                          log_dir=logs),
-        "encoder": lambda: start_encoder(tiny_qwen2_vl, "--register-url", f"http://127.0.0.1:{secured_port}",
-                                         f"http://127.0.0.1:{locked_port}", "--register-interval-s", "0.3",
-                                         port=encoder_port, log_dir=logs),
-    }  # fmt: skip
+        "secured": lambda: start_server(
+            tiny_qwen2_vl,
+            *common,
+            "--api-key",
+            API_KEY,
+            port=secured_port,
+            env={ENV_VAR: SECRET},
+            log_dir=logs,
+        ),
+        "locked": lambda: start_server(
+            tiny_qwen2_vl,
+            *common,
+            "--api-key",
+            API_KEY,
+            "--encoder-urls",
+            encoder_url,
+            port=locked_port,
+            log_dir=logs,
+        ),
+        "anonymous": lambda: start_server(
+            tiny_qwen2_vl, *common, "--enable-anonymous-registration", log_dir=logs
+        ),
+        "encoder": lambda: start_encoder(
+            tiny_qwen2_vl,
+            "--register-url",
+            f"http://127.0.0.1:{secured_port}",
+            f"http://127.0.0.1:{locked_port}",
+            "--register-interval-s",
+            "0.3",
+            port=encoder_port,
+            log_dir=logs,
+        ),
+    }
     # Two at a time: start-up is mostly imports, CPU-bound; more at once than cores only thrashes.
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         futures = {name: pool.submit(start) for name, start in starts.items()}
@@ -120,8 +143,12 @@ def test_without_a_secret_the_control_plane_is_off_even_with_the_api_key(stack):
 
 def test_static_encoder_still_serves_while_registration_is_locked(stack):
     body = {"messages": image_case([7], "What is it?").messages, "max_tokens": 4, "temperature": 0}
-    r = httpx.post(stack.locked.url + "/v1/chat/completions", json=body, timeout=60,
-                   headers={"Authorization": f"Bearer {API_KEY}"})  # fmt: skip
+    r = httpx.post(
+        stack.locked.url + "/v1/chat/completions",
+        json=body,
+        timeout=60,
+        headers={"Authorization": f"Bearer {API_KEY}"},
+    )
     assert r.status_code == 200, r.text
     assert r.json()["mmserve"]["encoded_by"] == stack.encoder.url  # --language-only: only the encoder can
 

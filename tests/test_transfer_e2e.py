@@ -51,6 +51,12 @@ def transport(url: str, stat: str) -> float:
         return 0.0
 
 
+def shm_server(model_dir: str, encoder_url: str, logs: str, *extra: str):
+    """A server sending every item to one standalone encoder over shared memory."""
+    args = ["--kv-cache-mb", "16", "--encoder-urls", encoder_url, "--encoder-transport", "shm", *extra]
+    return start_server(model_dir, *args, log_dir=logs)
+
+
 def wait_for(check, what: str, timeout_s: float = 15.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not check():
@@ -102,18 +108,7 @@ def test_mooncake_transfer_matches_hf(arch, tiny_model, logs):
 def test_sigkilled_encoder_leaks_nothing_and_requests_fail_over(tiny_qwen2_vl, logs):
     before = set(os.listdir("/dev/shm"))
     encoder = start_encoder(tiny_qwen2_vl, "--shm-pool-mb", "8", log_dir=logs)
-    server = start_server(
-        tiny_qwen2_vl,
-        "--kv-cache-mb",
-        "16",
-        "--encoder-urls",
-        encoder.url,
-        "--encoder-transport",
-        "shm",
-        "--encoder-dispatch-min-items",
-        "2",
-        log_dir=logs,
-    )
+    server = shm_server(tiny_qwen2_vl, encoder.url, logs, "--encoder-dispatch-min-items", "2")
     try:
         expected = reference_text(tiny_qwen2_vl, 48)
         # Adaptive dispatch: one item is encoded by the server's own tower, two go to the encoder.
@@ -144,17 +139,7 @@ def test_sigkilled_encoder_leaks_nothing_and_requests_fail_over(tiny_qwen2_vl, l
 def test_sigkilled_engine_frees_the_encoders_pool(tiny_qwen2_vl, logs):
     before = set(os.listdir("/dev/shm"))
     encoder = start_encoder(tiny_qwen2_vl, "--shm-pool-mb", "8", log_dir=logs)
-    server = start_server(
-        tiny_qwen2_vl,
-        "--kv-cache-mb",
-        "16",
-        "--language-only",
-        "--encoder-urls",
-        encoder.url,
-        "--encoder-transport",
-        "shm",
-        log_dir=logs,
-    )
+    server = shm_server(tiny_qwen2_vl, encoder.url, logs, "--language-only")
     try:
         with concurrent.futures.ThreadPoolExecutor(2) as pool:
             futures = [
