@@ -149,8 +149,16 @@ class EngineConfig:
     embedding_host: str = "127.0.0.1"
     mooncake_pool_mb: float = 256.0  # the engine's landing pool for Mooncake transfers
     embedding_store: EmbeddingStoreConfig | None = None  # global embedding store of the local encoder
+    # Prefill-decode disaggregation (mmserve.disagg): "null" (both, one server), "prefill" or "decode".
+    disaggregation_mode: str = "null"
+    kv_transfer_timeout_s: float = 30.0  # every wait of a KV handoff (reserve, transfer, commit, adoption)
+    kv_bootstrap_port: int = 0  # decode engine's handoff socket on embedding_host; 0: any free port
 
     def __post_init__(self) -> None:
+        if self.disaggregation_mode not in ("null", "prefill", "decode"):
+            raise ValueError("disaggregation_mode must be null, prefill or decode")
+        if self.kv_transfer_timeout_s <= 0:
+            raise ValueError("kv_transfer_timeout_s must be > 0")
         if self.max_num_batched_tokens < 1:
             raise ValueError("max_num_batched_tokens must be >= 1")
         if self.max_num_seqs < 1:
@@ -204,6 +212,10 @@ class ServerConfig:
     # users' media to an encoder of their choosing, or read the internal endpoints.
     cluster_secret: str | None = field(default=None, repr=False)
     enable_anonymous_registration: bool = False  # ignored when a cluster secret is set
+    # Prefill-decode disaggregation (mmserve.disagg): "null" = this server prefills and decodes; "prefill" and
+    # "decode" servers take requests only from `mmserve router` (with `kv_transfer_params`).
+    disaggregation_mode: str = "null"
+    kv_adopt_timeout_s: float = 300.0  # decode server: longest wait for a request's prefill and KV handoff
 
     @property
     def mm_limits(self) -> dict[str, int]:
@@ -242,3 +254,50 @@ class EncoderConfig:
     @property
     def url(self) -> str:
         return self.advertise_url or f"http://{self.host}:{self.port}"
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """`mmserve router` settings: the OpenAI front of prefill and decode servers (mmserve.disagg.router)."""
+
+    prefill_urls: tuple[str, ...] = ()  # static members; more may register at runtime
+    decode_urls: tuple[str, ...] = ()
+    host: str = "127.0.0.1"
+    port: int = 8000
+    kv_transfer_backend: str = "zmq"  # one of mmserve.disagg.kv_messages.BACKENDS, sent with every handoff
+    # Shared with the servers (mmserve.transport.cluster_auth): the router sends its token to them and
+    # requires it on its own control plane (/register_server, /unregister_server, /servers).
+    cluster_secret: str | None = field(default=None, repr=False)
+    enable_anonymous_registration: bool = False  # ignored when a cluster secret is set
+    api_key: str | None = field(default=None, repr=False)  # required on /v1/*; never forwarded upstream
+    served_model_name: str | None = None  # None: the model the servers report in /disagg/info
+    request_timeout_s: float = 600.0  # bounds every wait on an upstream: a prefill, decode headers, each read
+    connect_timeout_s: float = 2.0
+    health_interval_s: float = 1.0
+    health_timeout_s: float = 2.0  # one /health probe or /disagg/info fetch
+    failure_threshold: int = 2  # consecutive failed probes or connects that make a server unhealthy
+    max_attempts: int = 3  # rooms tried per request (decode at capacity, a server unreachable)
+    prefill_load_factor: float = 1.25  # bounded-load rendezvous: no prefill server takes > this x the mean
+    affinity_text_chars: int = 512  # prompt text that keys the prefill choice
+    affinity_token_ids: int = 256  # token ids of a token prompt that key the prefill choice
+    max_request_body_bytes: int = 64 * 1024 * 1024
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        from mmserve.disagg.kv_messages import BACKENDS
+
+        if self.kv_transfer_backend not in BACKENDS:
+            raise ValueError(f"kv_transfer_backend {self.kv_transfer_backend!r} is not one of {BACKENDS}")
+        seconds = ("request_timeout_s", "connect_timeout_s", "health_interval_s", "health_timeout_s")
+        for name in (*seconds, "prefill_load_factor"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0")
+        counts = ("failure_threshold", "max_attempts", "affinity_text_chars", "affinity_token_ids")
+        for name in (*counts, "max_request_body_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+
+    @property
+    def anonymous_control_plane(self) -> bool:
+        """The control-plane routes answer callers without a token (no secret, and the operator opted in)."""
+        return self.enable_anonymous_registration and not self.cluster_secret

@@ -1,9 +1,11 @@
 """`mmserve demo` (`make demo`): the whole stack on the embedded tiny model, through the official client.
 
-Builds the tiny checkpoint if it is missing, starts `mmserve serve --encoder-workers 1` (API server, engine
-process and one encoder process) on a free loopback port, sends chat
-requests with generated images through the `openai` client (one of them streamed, one repeating an image so
-the caches show), prints each answer with where its time went, and shuts the server down.
+Builds the tiny checkpoint if it is missing and starts the full Encode-Prefill-Decode pipeline on free
+loopback ports: `mmserve serve --encoder-workers 1 --prefill-workers 1 --decode-workers 1` (an encoder
+process, a prefill server without vision weights that sends media to it, a decode server, and
+`mmserve router` in front). It sends chat requests with generated images through the `openai` client (one
+streamed, one repeating an image so the caches show), prints each answer with where its time went and its
+path (encoder, prefill server, decode server, KV bytes moved and how long that took), and shuts it all down.
 """
 
 from __future__ import annotations
@@ -44,6 +46,18 @@ def _timings_line(extra: dict, usage) -> str:
             f"{extra['encoded_by']}, {extra['mm_cache_hits']} embedding-cache hit(s)")  # fmt: skip
 
 
+def _path_line(route: str) -> str:
+    """The router's `x-mmserve-route` header, as a sentence."""
+    path = dict(part.strip().split("=", 1) for part in route.split(";") if "=" in part)
+    if not path:
+        return "path: (no route header)"
+    return (
+        f"path: encoder {path.get('encoded_by', 'none')} -> prefill {path.get('prefill')} -> decode "
+        f"{path.get('decode')} | KV {int(path.get('kv_bytes', 0)) / 1024:.1f} KiB over {path.get('backend')} "
+        f"in {float(path.get('kv_transfer_ms', 0)):.2f} ms"
+    )
+
+
 def run_demo(model_dir: str = DEFAULT_MODEL_DIR, max_tokens: int = 16) -> bool:
     import openai
 
@@ -52,9 +66,14 @@ def run_demo(model_dir: str = DEFAULT_MODEL_DIR, max_tokens: int = 16) -> bool:
     red = shape_image((220, 40, 40), (20, 12, 60, 50))
     green = shape_image((40, 200, 60), (50, 8, 90, 40))
     with tempfile.TemporaryDirectory() as logs:
-        # EPD on one machine: the server spawns one encoder process; embeddings travel to the engine over ZMQ.
-        server = start_server(model_dir, "--kv-cache-mb", "64", "--encoder-workers", "1", log_dir=logs,
-                              served_model_name="tiny-qwen2-vl")  # fmt: skip
+        # E/P/D on one machine: an encoder, a prefill and a decode server behind the router (this URL).
+        server = start_server(
+            model_dir,
+            *("--kv-cache-mb", "64", "--language-only", "--encoder-workers", "1"),
+            *("--prefill-workers", "1", "--decode-workers", "1"),
+            log_dir=logs,
+            served_model_name="tiny-qwen2-vl",
+        )
         print(f"server up at {server.url} in {time.perf_counter() - start:.1f}s (model {model_dir})")
         print(
             "(the tiny model has random weights: its text is noise; the demo shows the path and the timings)"
@@ -68,17 +87,25 @@ def run_demo(model_dir: str = DEFAULT_MODEL_DIR, max_tokens: int = 16) -> bool:
                 ("same image again", _message("What colour is the shape?", red)),
             ]
             for name, messages in requests:
-                out = client.chat.completions.create(model="tiny-qwen2-vl", messages=messages, max_tokens=max_tokens,
-                                                     temperature=0)  # fmt: skip
+                raw = client.chat.completions.with_raw_response.create(
+                    model="tiny-qwen2-vl", messages=messages, max_tokens=max_tokens, temperature=0
+                )
+                out = raw.parse()
                 print(
                     f"\n[{name}] {out.choices[0].message.content!r} (finish: {out.choices[0].finish_reason})"
                 )
                 print("  " + _timings_line(out.model_extra["mmserve"], out.usage))
+                print("  " + _path_line(raw.headers.get("x-mmserve-route", "")))
             print("\n[streamed] ", end="", flush=True)
-            stream = client.chat.completions.create(
-                model="tiny-qwen2-vl", messages=_message("Describe the picture.", green), max_tokens=max_tokens,
-                temperature=0, stream=True, stream_options={"include_usage": True},
-            )  # fmt: skip
+            raw = client.chat.completions.with_raw_response.create(
+                model="tiny-qwen2-vl",
+                messages=_message("Describe the picture.", green),
+                max_tokens=max_tokens,
+                temperature=0,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+            stream, route = raw.parse(), raw.headers.get("x-mmserve-route", "")
             extra, usage = None, None
             for chunk in stream:
                 if chunk.choices:
@@ -86,6 +113,7 @@ def run_demo(model_dir: str = DEFAULT_MODEL_DIR, max_tokens: int = 16) -> bool:
                     extra = (chunk.model_extra or {}).get("mmserve", extra)
                 usage = chunk.usage or usage
             print("\n  " + _timings_line(extra, usage))
+            print("  " + _path_line(route))
         except Exception as e:  # print the server's side too, then fail
             ok = False
             print(f"demo request failed: {e}\n--- server log ---\n{server.log()}")

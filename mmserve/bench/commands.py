@@ -1,4 +1,4 @@
-"""`mmserve bench ...` command line: run, compare, engine, epd."""
+"""`mmserve bench ...` command line: run, compare, engine, epd, transfer, kv."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import argparse
 import json
 import shlex
 
-RUN_ALIASES = {"run", "compare", "engine", "epd", "transfer"}
+RUN_ALIASES = {"run", "compare", "engine", "epd", "transfer", "kv"}
 
 
 def _workload(args: argparse.Namespace):
@@ -202,6 +202,26 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--rounds", type=int, default=3)
     p.set_defaults(func=_transfer)
+
+    p = bench.add_parser("kv", help="prefill -> decode KV handoff per backend (zmq, Mooncake) vs raw ZMQ")
+    p.add_argument("--model", required=True)
+    p.add_argument("--prompt-lens", default="256,1024,4096", help="comma-separated prompt lengths (tokens)")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--kv-cache-mb", type=float, default=1024)
+    p.add_argument("--json", default=None, help="write the results as JSON here")
+    p.set_defaults(func=_kv)
+
+
+def _kv(args: argparse.Namespace) -> int:
+    from mmserve.bench import kv_bench
+    from mmserve.models.loader import resolve_model_path
+
+    lens = [int(x) for x in args.prompt_lens.split(",")]
+    rows = kv_bench.run(resolve_model_path(args.model), lens, args.dtype, args.repeats, args.kv_cache_mb)
+    print(kv_bench.report(rows))
+    _write_json(args.json, rows)
+    return 0
 
 
 def default_subcommand(argv: list[str]) -> list[str]:

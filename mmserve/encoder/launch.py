@@ -10,6 +10,7 @@ import signal
 import uvicorn
 
 from mmserve.config import EncoderConfig
+from mmserve.server.parent_watch import exit_with_parent
 
 
 def serve_encoder(cfg: EncoderConfig, log_level: str = "info") -> int:
@@ -24,7 +25,9 @@ def serve_encoder(cfg: EncoderConfig, log_level: str = "info") -> int:
         stop = asyncio.Event()
         task = asyncio.create_task(register_loop(cfg, stop)) if cfg.register_urls else None
         print(f"mmserve encoder: serving {cfg.model} on {cfg.url}", flush=True)
+        orphan_watch = asyncio.create_task(exit_with_parent(lambda: setattr(server, "should_exit", True)))
         yield
+        orphan_watch.cancel()
         stop.set()
         if task is not None:
             await task

@@ -120,7 +120,9 @@ class EncoderService:
             items.append(EmbeddingItem(it.item_index, enc))
         start = time.perf_counter()
         try:
-            part = build_part(job.request_id, job.part_index, job.num_parts, self.cfg.url, items)
+            part = build_part(
+                job.request_id, job.part_index, job.num_parts, self.cfg.url, items, timings.hits
+            )
             self.sender.send(job.reply_endpoint, part)
         except SendTimeout as e:
             message = f"engine at {job.reply_endpoint} did not take the part: {e}"

@@ -46,6 +46,7 @@ class StepOutput:
     token_id: int | None  # None when the request ended without a new token (abort)
     finish_reason: str | None  # "stop" / "length" / "abort" once finished
     request: Request
+    handoff: bool = False  # prefill server: the request is detached, its KV to be sent (mmserve.disagg)
 
 
 def available_memory_bytes(device: torch.device) -> int:
@@ -78,7 +79,9 @@ class Engine:
         self.model_config = ModelConfig.from_hf(cfg.model, hf_config, cfg.max_model_len)
         self.runner = ModelRunner(self.family, self.model_config, cfg.dtype, cfg.device)
         self.pool = build_kv_pool(cfg, self.model_config)
-        prefix_cache = NoPrefixCache() if cfg.disable_prefix_cache else RadixCache(self.pool)
+        # A decode server never prefills, so a prefix cache would only hold slots (mmserve.disagg).
+        no_prefix = cfg.disable_prefix_cache or cfg.disaggregation_mode == "decode"
+        prefix_cache = NoPrefixCache() if no_prefix else RadixCache(self.pool)
         sched_cfg = SchedulerConfig(
             cfg.max_num_batched_tokens, cfg.max_num_seqs, self.model_config.max_model_len
         )
@@ -100,8 +103,12 @@ class Engine:
         params: SamplingParams,
         items: list[ItemEmbedding],
         cache_salt: str | None = None,
+        handoff: object | None = None,
     ) -> Request:
         """Queue a request whose prompt has one placeholder token per item; `items` in prompt order.
+
+        With `handoff` (a KvTarget, prefill server), the request stops after its first token: `step` reports it
+        with `handoff=True` and keeps its slots until `end_handoff`.
 
         `params.max_tokens` None means the rest of the context, as far as the KV cache can hold it.
         `cache_salt` scopes the request's prefix-cache hits (mmserve.engine.cache_salt); its items must have
@@ -135,7 +142,7 @@ class Engine:
         req = Request(
             request_id, expanded.token_ids, params, items=expanded.items, embeddings=embeddings,
             positions=positions, rope_delta=rope_delta, generator=make_generator(params),
-            cache_salt=cache_salt,
+            cache_salt=cache_salt, handoff=handoff,
         )  # fmt: skip
         self.scheduler.add(req)
         self.requests[request_id] = req
@@ -177,6 +184,11 @@ class Engine:
         for req, token in zip(sampled_reqs, tokens.tolist(), strict=True):
             req.append_output(token)
             reason = self._finish_reason(req, token)
+            if req.handoff is not None:  # the decode engine continues (or just reports `reason`)
+                self.scheduler.detach(req)
+                self.requests.pop(req.request_id, None)
+                outputs.append(StepOutput(req.request_id, token, reason, req, handoff=True))
+                continue
             if reason is not None:
                 self.scheduler.finish(req, reason)
                 self.requests.pop(req.request_id, None)
@@ -192,6 +204,27 @@ class Engine:
         if len(req.output_ids) >= params.max_tokens or len(req.token_ids) >= self.model_config.max_model_len:
             return "length"
         return None
+
+    # -- prefill-decode handoff (mmserve.disagg) -------------------------------------------------
+    def end_handoff(self, req: Request, ok: bool) -> None:
+        """Prefill side: the request's KV reached the decode engine (or never will): free its slots, its
+        prompt staying in the prefix cache for the next request that shares it."""
+        self.scheduler.finish(req, "handoff" if ok else "error")
+
+    def adopt(self, req: Request, slots) -> None:
+        """Decode side: a handed-off request (`recomputable=False`, one output token) whose prompt KV is in
+        `slots` (reserved through the scheduler) continues decoding here."""
+        if req.request_id in self.requests:
+            raise ValueError(f"duplicate request id {req.request_id!r}")
+        self.scheduler.adopt(req, slots)
+        self.requests[req.request_id] = req
+
+    def take_dropped(self) -> list[Request]:
+        """Requests ended because the pool ran out and they could not be recomputed (decode server)."""
+        dropped = self.scheduler.take_dropped()
+        for req in dropped:
+            self.requests.pop(req.request_id, None)
+        return dropped
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()

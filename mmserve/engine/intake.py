@@ -213,7 +213,7 @@ class Intake:
                 if self.requests.pop(o.request_id, None) is not None:
                     out.append(m.ErrorMsg(o.request_id, o.failure))
                 continue
-            out += self._admit(o.request_id, o.items, None, sorted(set(o.encoders)))
+            out += self._admit(o.request_id, o.items, None, sorted(set(o.encoders)), o.cache_hits)
         return out
 
     def _admit(
@@ -222,6 +222,7 @@ class Intake:
         result: list[ItemEmbedding] | Failure,
         timings: EncodeTimings | None,
         encoded_by: list[str],
+        part_hits: int = 0,
     ) -> list:
         entry = self.requests.pop(rid, None)
         if entry is None:  # aborted meanwhile
@@ -232,7 +233,12 @@ class Intake:
         try:
             items = merge(req.media, result)  # the client's precomputed embeddings back in prompt order
             engine_req = self.engine.add_request(
-                rid, list(req.prompt_token_ids), req.sampling, items, cache_salt=req.cache_salt
+                rid,
+                list(req.prompt_token_ids),
+                req.sampling,
+                items,
+                cache_salt=req.cache_salt,
+                handoff=req.handoff,
             )
         except EmbeddingMismatch as e:  # an encoder serving another model: this request only
             sources = ", ".join(encoded_by)
@@ -245,8 +251,9 @@ class Intake:
             return [m.ErrorMsg(rid, Failure(400, "invalid_request", str(e)))]
         engine_req.encode_timings = timings
         waited = time.perf_counter() - arrived
-        hits = timings.hits if timings is not None else 0
-        return [m.AcceptedMsg(rid, engine_req.prompt_len, waited, len(items), hits, encoded_by)]
+        hits = timings.hits if timings is not None else part_hits
+        engine_req.accepted = m.AcceptedMsg(rid, engine_req.prompt_len, waited, len(items), hits, encoded_by)
+        return [engine_req.accepted]
 
     def check_integrity(self) -> None:
         if self.encoder is not None:

@@ -33,13 +33,13 @@ class KVPool:
         self.num_layers = num_layers
         self.dtype = dtype
         self.device = torch.device(device)
-        shape = (num_slots, num_kv_heads, head_dim)
-        self.k_cache: list[torch.Tensor] = [
-            torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)
-        ]
-        self.v_cache: list[torch.Tensor] = [
-            torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)
-        ]
+        # One allocation for the whole cache, (K|V, layer, slot, head, dim): a KV transfer backend registers it
+        # once (Mooncake) and addresses any row by offset; the per-layer lists are views into it.
+        self.buffer = torch.zeros(
+            (2, num_layers, num_slots, num_kv_heads, head_dim), dtype=dtype, device=self.device
+        )
+        self.k_cache: list[torch.Tensor] = [self.buffer[0, layer] for layer in range(num_layers)]
+        self.v_cache: list[torch.Tensor] = [self.buffer[1, layer] for layer in range(num_layers)]
         self._refcount = torch.zeros(num_slots, dtype=torch.int64)
         # A stack: reversed so that a fresh pool hands out slots 0, 1, 2, ... (easier to read in tests).
         self._free: list[int] = list(range(num_slots - 1, -1, -1))
@@ -91,7 +91,9 @@ class KVPool:
             return None
         if n == 0:
             return torch.empty(0, dtype=torch.int64)
-        slots = torch.tensor(self._free[-n:], dtype=torch.int64)
+        # Top of the stack, in ascending order: a fresh pool gives a request consecutive rows, which KV
+        # transfer backends move as one segment per layer (mmserve.disagg.kv_mooncake).
+        slots = torch.tensor(self._free[: -n - 1 : -1], dtype=torch.int64)
         del self._free[-n:]
         self._refcount[slots] = 1
         return slots
@@ -120,6 +122,19 @@ class KVPool:
         released = unique[after == 0].tolist()
         self._free.extend(released)
         return len(released)
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one slot's K (or V) row in one layer."""
+        return self.buffer[0, 0, 0].numel() * self.dtype.itemsize
+
+    def gather(self, slots: torch.Tensor) -> torch.Tensor:
+        """The K and V rows of `slots` in every layer, as a new contiguous (2, layers, n, heads, dim) tensor."""
+        return self.buffer.index_select(2, slots.to(self.device)).contiguous()
+
+    def scatter(self, slots: torch.Tensor, rows: torch.Tensor) -> None:
+        """Write `rows` (2, layers, n, heads, dim), as `gather` returns them, into `slots`. The caller owns them."""
+        self.buffer.index_copy_(2, slots.to(self.device), rows.to(self.device, self.dtype))
 
     def refcount(self, slots: torch.Tensor) -> torch.Tensor:
         """Current refcounts of `slots` (a copy; mutates nothing)."""

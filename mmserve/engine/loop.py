@@ -26,6 +26,7 @@ import msgspec
 import zmq
 
 from mmserve.config import EmbeddingStoreConfig, EngineConfig, MediaConfig
+from mmserve.disagg.handoffs import Handoffs
 from mmserve.encoder.runner import build_encoder
 from mmserve.engine.engine import BatchFailed, Engine
 from mmserve.engine.intake import Intake
@@ -74,7 +75,7 @@ class EngineLoop:
         cfg = engine.cfg
         local = (
             None
-            if cfg.language_only
+            if cfg.language_only or cfg.disaggregation_mode == "decode"
             else build_encoder(
                 engine.family,
                 cfg.dtype,
@@ -92,6 +93,7 @@ class EngineLoop:
             for scheme in cfg.embedding_transports
         ]
         self.intake = Intake(engine, local, receivers)
+        self.handoffs = Handoffs(engine, secret)
         self.parent_pid = os.getppid()
         self.running = True
 
@@ -101,7 +103,13 @@ class EngineLoop:
     # -- inputs -------------------------------------------------------------------------------------
     def handle(self, msg) -> None:
         if isinstance(msg, m.GenerateReq):
+            if msg.handoff is not None and self.handoffs.sender is None:
+                failure = m.Failure(400, "not_a_prefill_server", "this engine is not a prefill engine")
+                self.send(m.ErrorMsg(msg.request_id, failure))
+                return
             self._send_all(self.intake.generate(msg))
+        elif isinstance(msg, m.AdoptReq):
+            self._send_all(self.handoffs.adopt(msg))
         elif isinstance(msg, m.LocalEncodeReq):
             self.intake.local_encode(msg)
         elif isinstance(msg, m.FailReq):
@@ -109,6 +117,7 @@ class EngineLoop:
         elif isinstance(msg, m.AbortReq):
             self.intake.abort(msg.request_id)
             self.engine.abort(msg.request_id)
+            self.handoffs.abort(msg.request_id)
         elif isinstance(msg, m.PingReq):
             stats = self.stats(msg.nonce)
             if msg.check_integrity:
@@ -139,7 +148,21 @@ class EngineLoop:
             for rid in e.request_ids:
                 self.send(m.ErrorMsg(rid, failure))
             return
+        for req in self.engine.take_dropped():
+            self.send(
+                m.ErrorMsg(
+                    req.request_id,
+                    m.Failure(
+                        503,
+                        "kv_cache_exhausted",
+                        "the decode server ran out of KV cache and cannot recompute this request",
+                    ),
+                )
+            )
         for out in outputs:
+            if out.handoff:
+                self.handoffs.start(out)
+                continue
             req = out.request_id
             msg = m.TokensMsg(req, [out.token_id] if out.token_id is not None else [], out.finish_reason)
             r = out.request
@@ -172,6 +195,7 @@ class EngineLoop:
             num_preemptions=e.scheduler.stats.retractions,
             parts_forged=intake.parts_rejected["forged"], parts_replayed=intake.parts_rejected["replayed"],
             embedding_store=store.snapshot().as_dict() if store is not None else {},
+            **self.handoffs.stats(),
         )  # fmt: skip
 
     def run(self) -> None:
@@ -190,12 +214,16 @@ class EngineLoop:
             per_token,
             endpoints,
             has_tower,
+            self.handoffs.bootstrap_endpoint,
+            self.handoffs.backends,
         )
         self.send(ready)
         poller = zmq.Poller()
         poller.register(self.input, zmq.POLLIN)
         for receiver in self.intake.receivers:
             poller.register(receiver.pollable, zmq.POLLIN)
+        for pollable in self.handoffs.pollables:
+            poller.register(pollable, zmq.POLLIN)
         last_stats = 0.0
         while self.running:
             # Encoder parts and API messages wake the poller; in-process encodes finish on a worker thread, so
@@ -219,11 +247,13 @@ class EngineLoop:
                     except msgspec.DecodeError:
                         logger.warning("dropped an undecodable message (%d bytes)", len(raw))
             self._send_all(self.intake.drain())
+            self._send_all(self.handoffs.drain())
             if self.engine.has_work:
                 self.step()
             now = time.monotonic()
             if now - last_stats > STATS_INTERVAL_S:
                 last_stats = now
+                self._send_all(self.handoffs.expire())
                 self.send(self.stats())
                 if os.getppid() != self.parent_pid:
                     logger.error("parent process is gone; engine exiting")
@@ -231,6 +261,7 @@ class EngineLoop:
         self.close()
 
     def close(self) -> None:
+        self.handoffs.close()
         self.intake.close()
         self.input.close(linger=0)
         self.output.close()

@@ -28,6 +28,7 @@ class Complete:
     request_id: str
     items: list[ItemEmbedding]  # in prompt order
     encoders: list[str]  # who computed each part
+    cache_hits: int = 0  # items the encoders found in their caches
 
 
 @dataclass
@@ -53,6 +54,7 @@ class _Pending:
     deadline: float
     parts: dict[int, list[EmbeddingItem]] = field(default_factory=dict)
     encoders: dict[int, str] = field(default_factory=dict)
+    cache_hits: int = 0
     server_errors: dict[int, str] = field(default_factory=dict)
 
 
@@ -122,6 +124,7 @@ class PartAssembler:
                 return []
         pending.parts[header.part_index] = items
         pending.encoders[header.part_index] = header.encoder
+        pending.cache_hits += header.cache_hits
         if len(pending.parts) < pending.num_parts:
             return []
         got = sorted((it for part in pending.parts.values() for it in part), key=lambda it: it.item_index)
@@ -131,7 +134,12 @@ class PartAssembler:
         del self._pending[rid]
         self._mark_finished(rid)
         return [
-            Complete(rid, [it.item for it in got], [pending.encoders[i] for i in sorted(pending.encoders)])
+            Complete(
+                rid,
+                [it.item for it in got],
+                [pending.encoders[i] for i in sorted(pending.encoders)],
+                pending.cache_hits,
+            )
         ]
 
     def expire(self) -> list[Failed]:

@@ -23,6 +23,7 @@ from mmserve.multimodal.items import MultimodalItem
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    HANDOFF = "handoff"  # prefill server: prefilled, its KV on the way to a decode engine (slots still held)
     FINISHED = "finished"
 
 
@@ -37,6 +38,10 @@ class Request:
     rope_delta: int = 0  # decode position of index i >= prompt_len: i + rope_delta
     generator: torch.Generator | None = None
     cache_salt: str | None = None  # tenant scope of the prefix cache: see mmserve.engine.cache_salt
+    handoff: object | None = None  # prefill server: the KvTarget its KV goes to after the first token
+    # False on a decode server: the prompt's KV came from a prefill engine and its embeddings are not here, so
+    # the request cannot be recomputed after a retraction (it fails instead; admission makes that rare).
+    recomputable: bool = True
 
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None
@@ -46,6 +51,7 @@ class Request:
     prefix_handle: object | None = None  # locked radix node while running
     num_retractions: int = 0
     encode_timings: object | None = None  # EncodeTimings of the in-process encoder, if it encoded
+    accepted: object | None = None  # the AcceptedMsg the intake sent (a handoff passes it on)
 
     arrival_time: float = field(default_factory=time.perf_counter)
     first_scheduled_time: float | None = None

@@ -15,6 +15,13 @@ retracted request usually recomputes little.
 When the pool is exhausted: evict the prefix cache, then retract the newest running request (free its slots,
 requeue it at the front, recompute later). Requests that can never fit are refused in `add`.
 
+Prefill-decode disaggregation (mmserve.disagg) adds two holders:
+| holder               | owns                                                 | released by                 |
+| detached request     | its slots while its KV is sent to a decode engine    | `finish` (after the send)   |
+| reservation (decode) | slots reserved for a handoff's incoming rows         | `adopt` (to the request) or `unreserve` |
+An adopted request cannot be recomputed (its embeddings stayed on the prefill server): retracting one fails it
+(`take_dropped`); the decode server admits handoffs only when they fit to the end (`outstanding_growth`).
+
 The prefix cache is keyed by `Request.cache_key`, the token ids scoped by the request's cache salt (in the
 first position only; see mmserve.engine.cache_salt), never by the ids themselves.
 """
@@ -54,6 +61,9 @@ class Scheduler:
         self.prefix_cache = prefix_cache
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.detached: dict[str, Request] = {}  # prefill: KV being handed off
+        self.reserved = 0  # decode: slots held by handoff reservations
+        self.dropped: list[Request] = []  # not recomputable, retracted: the owner reports their failure
         self.stats = SchedulerStats()
 
     # -- admission ------------------------------------------------------------------------------
@@ -164,13 +174,57 @@ class Scheduler:
             self.prefix_cache.unlock(req.prefix_handle)
         req.prefix_handle = match.handle
 
+    # -- prefill-decode handoff -------------------------------------------------------------------
+    def detach(self, req: Request) -> None:
+        """Prefill side: take a request that has its first token out of the running set, keeping its slots
+        (the KV is being read for the decode engine) until `finish`."""
+        self.running.remove(req)
+        req.status = RequestStatus.HANDOFF
+        self.detached[req.request_id] = req
+
+    def reserve(self, n: int) -> torch.Tensor | None:
+        """Decode side: `n` slots for a handoff's rows (evicting the prefix cache if need be), or None."""
+        slots = self._alloc(n)
+        if slots is not None:
+            self.reserved += n
+        return slots
+
+    def unreserve(self, slots: torch.Tensor) -> None:
+        self.reserved -= slots.numel()
+        self.pool.free(slots)
+
+    def adopt(self, req: Request, slots: torch.Tensor) -> None:
+        """Decode side: a handed-off request joins the running set with `slots` (reserved, now written) as the
+        KV of its prompt; its sampled first token is computed by the next step, as after a local prefill."""
+        n = slots.numel()
+        assert n == req.prompt_len and len(req.output_ids) == 1, (n, req.prompt_len, req.output_ids)
+        self.reserved -= n
+        req.slot_buffer[:n] = slots
+        req.num_computed = n
+        req.first_scheduled_time = req.first_scheduled_time or time.perf_counter()
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+
+    def outstanding_growth(self) -> int:
+        """Slots the running requests may still take before they end (decode admission control)."""
+        return sum(r.max_len - r.num_computed for r in self.running)
+
+    def take_dropped(self) -> list[Request]:
+        dropped, self.dropped = self.dropped, []
+        return dropped
+
     # -- leaving the running set ----------------------------------------------------------------
     def retract(self, req: Request, batch: dict[str, ScheduledChunk] | None = None) -> None:
-        """Free a running request's slots and requeue it first in line; it recomputes later."""
+        """Free a running request's slots and requeue it first in line; it recomputes later. A request that
+        cannot be recomputed (adopted from a prefill engine) is ended instead and listed in `dropped`."""
         chunk = batch.pop(req.request_id, None) if batch is not None else None
         if chunk is not None:  # its KV for this step is not written yet: un-schedule it
             self.pool.free(req.slot_buffer[chunk.start : chunk.end])
             req.num_computed = chunk.start
+        if not req.recomputable:
+            self.finish(req, "error")
+            self.dropped.append(req)
+            return
         self._release(req)
         self.running.remove(req)
         req.status = RequestStatus.WAITING
@@ -196,6 +250,9 @@ class Scheduler:
         if req.status == RequestStatus.RUNNING:
             self._release(req)
             self.running.remove(req)
+        elif req.status == RequestStatus.HANDOFF:
+            self._release(req)
+            del self.detached[req.request_id]
         elif req in self.waiting:
             self.waiting.remove(req)
         req.status = RequestStatus.FINISHED
@@ -217,8 +274,11 @@ class Scheduler:
         self.prefix_cache.check_integrity()
         assert all(r.num_computed == 0 and r.status == RequestStatus.WAITING for r in self.waiting)
         assert all(r.status == RequestStatus.RUNNING for r in self.running)
-        if not self.running:
-            assert self.pool.num_used == self.prefix_cache.total_tokens, (
+        assert all(r.status == RequestStatus.HANDOFF for r in self.detached.values())
+        assert self.reserved >= 0, self.reserved
+        if not self.running and not self.detached:
+            assert self.pool.num_used == self.prefix_cache.total_tokens + self.reserved, (
                 self.pool.num_used,
                 self.prefix_cache.total_tokens,
+                self.reserved,
             )

@@ -29,6 +29,7 @@ from mmserve.server.protocol import APIError, ChatCompletionRequest, CompletionR
 from mmserve.server.serving import Generation
 from mmserve.transport import cluster_auth
 from mmserve.transport.cluster_auth import HTTP_HEADER
+from mmserve.transport.messages import KvTarget as MKvTarget
 from mmserve.transport.messages import MediaItemMsg
 
 logger = logging.getLogger("mmserve.server")
@@ -77,6 +78,24 @@ class BodyLimitMiddleware:
             await _send_error(send, e)
 
 
+class ApiKeyMiddleware:
+    """401 on /v1/* without `Authorization: Bearer KEY`. Plain ASGI, not `@app.middleware("http")`: Starlette's
+    BaseHTTPMiddleware hides the client's disconnect from the endpoint (`request.is_disconnected()` never turns
+    true), and a request whose client left must be aborted, not run to its end."""
+
+    def __init__(self, app, api_key: str, on_error) -> None:
+        self.app, self.api_key, self.on_error = app, api_key.encode(), on_error
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            header = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
+            token = header[7:] if header.lower().startswith("bearer ") else ""
+            if not hmac.compare_digest(token.encode(), self.api_key):
+                self.on_error(401)
+                return await _send_error(send, APIError(401, "missing or invalid API key", "invalid_api_key"))
+        return await self.app(scope, receive, send)
+
+
 async def _send_error(send, err: APIError) -> None:
     body = json.dumps(err.body()).encode()
     await send({"type": "http.response.start", "status": err.status,
@@ -123,14 +142,8 @@ def build_app(
             problems.append(f"{loc or 'body'}: {msg}")
         return error_response(APIError(400, "; ".join(problems) or "invalid request", "invalid_request"))
 
-    @app.middleware("http")
-    async def _auth(request: Request, call_next):
-        if cfg.api_key and request.url.path.startswith("/v1"):
-            header = request.headers.get("authorization", "")
-            token = header[7:] if header.lower().startswith("bearer ") else ""
-            if not hmac.compare_digest(token.encode(), cfg.api_key.encode()):
-                return error_response(APIError(401, "missing or invalid API key", "invalid_api_key"))
-        return await call_next(request)
+    if cfg.api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=cfg.api_key, on_error=metrics.record_error)
 
     # -- helpers ----------------------------------------------------------------------------------
     max_model_len = client.ready.max_model_len
@@ -165,8 +178,11 @@ def build_app(
     def max_tokens_of(body) -> int | None:
         requested = body.requested_max_tokens
         if requested is not None and requested >= max_model_len:
-            raise APIError(400, f"max_tokens={requested} is not below the model's context length ({max_model_len})",
-                           "invalid_parameter")  # fmt: skip
+            raise APIError(
+                400,
+                f"max_tokens={requested} is not below the model's context length ({max_model_len})",
+                "invalid_parameter",
+            )
         return requested
 
     def tokenize(text: str) -> list[int]:
@@ -271,7 +287,43 @@ def build_app(
                            "invalid_prompt")  # fmt: skip
         return await generate(request, body, "completion", prompt_ids, [])
 
+    def disagg_role(request: Request, body) -> dict:
+        """Generation arguments of a prefill or decode server's request (mmserve.disagg). Those servers take
+        requests only from the router, which sends `kv_transfer_params` (a control-plane field: it names where
+        the KV goes) with the cluster token."""
+        params, mode = body.kv_transfer_params, cfg.disaggregation_mode
+        if mode == "null":
+            if params is not None:
+                raise APIError(
+                    400,
+                    "kv_transfer_params: this server is not a prefill or decode server",
+                    "invalid_parameter",
+                )
+            return {}
+        if params is None:
+            raise APIError(
+                400,
+                f"this is a {mode} server of a disaggregated deployment: send requests through "
+                "`mmserve router`",
+                "disaggregated_server",
+            )
+        check_control_plane(request)
+        if mode == "decode":
+            return {"adopt_timeout_s": cfg.kv_adopt_timeout_s, "request_id": params.room}
+        if params.decode_bootstrap is None:
+            raise APIError(400, "kv_transfer_params.decode_bootstrap is required by a prefill server",
+                           "invalid_parameter")  # fmt: skip
+        if params.backend not in client.ready.kv_backends:
+            raise APIError(
+                400,
+                f"kv_transfer_params.backend {params.backend!r} is not available here "
+                f"({client.ready.kv_backends})",
+                "invalid_parameter",
+            )
+        return {"handoff": MKvTarget(params.room, params.decode_bootstrap, params.backend)}
+
     async def generate(request: Request, body, kind: str, prompt_ids: list[int], items: list[MediaItemMsg]):
+        role = disagg_role(request, body)
         if len(prompt_ids) >= max_model_len:
             raise APIError(400, f"prompt has {len(prompt_ids)} tokens; the model's context is {max_model_len}",
                            "context_length_exceeded")  # fmt: skip
@@ -280,22 +332,42 @@ def build_app(
             logger.warning("request fields %s accepted and ignored (they cannot change the output)", ignored)
         params = body.sampling_params()
         check_capacity()
+        request_id = role.pop("request_id", None) or f"{kind}-{uuid.uuid4().hex[:12]}-{next(ids)}"
+        if client.is_in_flight(request_id) or request_id in admitting:
+            raise APIError(409, f"kv_transfer_params.room {request_id!r} is already in use", "duplicate_room")
         gen = Generation(
             client,
             tokenizer,
             metrics,
-            f"{kind}-{uuid.uuid4().hex[:12]}-{next(ids)}",
+            request_id,
             prompt_ids,
             items,
             params,
             dispatcher,
             cache_salt=body.cache_salt,
+            **role,
         )
         admitting.add(gen.request_id)
         try:
             await run_with_disconnect(request, gen.start())
+            if gen.handoff is not None:  # prefill server: answer once the decode engine has the request
+                done = await run_with_disconnect(request, gen.handed_off())
         finally:
             admitting.discard(gen.request_id)
+        if gen.handoff is not None:
+            return {
+                "id": gen.request_id,
+                "object": "kv_handoff",
+                "kv_transfer": {
+                    "room": gen.handoff.room,
+                    "backend": gen.handoff.backend,
+                    "kv_bytes": done.kv_bytes,
+                    "transfer_s": round(done.transfer_s, 6),
+                    "decode_bootstrap": gen.handoff.bootstrap,
+                },
+                "usage": usage(gen.prompt_tokens, 0, gen.cached_tokens),
+                "mmserve": gen.extra(),
+            }
         created, model = int(time.time()), cfg.served_model_name
         if body.stream:
             return StreamingResponse(stream(gen, kind, created, model, body.include_usage),
@@ -359,7 +431,7 @@ def build_app(
 
     secret = cluster_auth.from_config(cfg.cluster_secret)
     closed = (
-        "encoder registration and listing are off: this server has no cluster secret. Set --cluster-secret "
+        "the control plane (encoder registration, listings, prefill-decode handoffs) is off: this server has no cluster secret. Set --cluster-secret "
         "(or $MMSERVE_CLUSTER_SECRET) on the server and its encoders, or start the server with "
         "--enable-anonymous-registration"
     )
@@ -407,6 +479,20 @@ def build_app(
                 "embedding_endpoints": dict(dispatcher.routes.endpoints), "transport": dispatcher.routes.transport, "failovers": dispatcher.failovers,
                 "local_fallbacks": dispatcher.local_fallbacks}  # fmt: skip
 
+    @app.get("/disagg/info")
+    async def disagg_info(request: Request):
+        """What `mmserve router` needs to know about this server (a control-plane route)."""
+        check_control_plane(request)
+        ready = client.ready
+        return {
+            "mode": cfg.disaggregation_mode,
+            "model": cfg.served_model_name,
+            "bootstrap": ready.kv_bootstrap,
+            "kv_backends": list(ready.kv_backends),
+            "max_model_len": ready.max_model_len,
+            "kv_cache_tokens": ready.kv_cache_tokens,
+        }
+
     # -- operations -------------------------------------------------------------------------------
     @app.get("/health")
     async def health(check_integrity: bool = False):
@@ -417,12 +503,23 @@ def build_app(
             return JSONResponse({"status": "unhealthy", "reason": "engine did not answer"}, status_code=503)
         if not check_integrity:
             return {"status": "ok"}
-        body = {"status": "ok" if stats.integrity_error == "" else "corrupt",
-                "integrity_error": stats.integrity_error or None, "kv_slots_used": stats.kv_slots_used,
-                "num_running": stats.num_running, "num_waiting": stats.num_waiting,
-                "in_flight": client.num_in_flight, "parts_received": stats.parts_received,
-                "parts_dropped": stats.parts_dropped, "parts_forged": stats.parts_forged,
-                "parts_replayed": stats.parts_replayed, "transfer_held_bytes": stats.transfer_held_bytes}  # fmt: skip
+        body = {
+            "status": "ok" if stats.integrity_error == "" else "corrupt",
+            "integrity_error": stats.integrity_error or None,
+            "kv_slots_used": stats.kv_slots_used,
+            "num_running": stats.num_running,
+            "num_waiting": stats.num_waiting,
+            "in_flight": client.num_in_flight,
+            "parts_received": stats.parts_received,
+            "parts_dropped": stats.parts_dropped,
+            "parts_forged": stats.parts_forged,
+            "parts_replayed": stats.parts_replayed,
+            "transfer_held_bytes": stats.transfer_held_bytes,
+            "kv_handoffs": stats.kv_handoffs,
+            "kv_handoff_failures": stats.kv_handoff_failures,
+            "kv_bytes": stats.kv_bytes,
+            "kv_pending": stats.kv_pending,
+        }
         return JSONResponse(body, status_code=200 if stats.integrity_error == "" else 500)
 
     @app.get("/metrics")

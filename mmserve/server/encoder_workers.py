@@ -14,6 +14,7 @@ import sys
 import httpx
 
 from mmserve.config import EngineConfig
+from mmserve.server.parent_watch import child_of_this_process
 from mmserve.transport.cluster_auth import child_env
 
 
@@ -58,7 +59,7 @@ class EncoderWorkers:
                         "--embedding-store-buffer-mb", str(store.buffer_mb),
                         "--embedding-store-timeout-s", str(store.timeout_s),
                         "--embedding-store-retry-s", str(store.retry_s)]  # fmt: skip
-            self.procs.append(subprocess.Popen(cmd, env=child_env(cluster_secret)))
+            self.procs.append(subprocess.Popen(cmd, env=child_of_this_process(child_env(cluster_secret))))
             self.urls.append(f"http://127.0.0.1:{port}")
 
     async def wait_healthy(self, timeout_s: float) -> None:

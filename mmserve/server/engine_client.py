@@ -144,7 +144,9 @@ class EngineClient:
             self.on_death()
 
     # -- requests -----------------------------------------------------------------------------------
-    async def generate(self, req: m.GenerateReq) -> AsyncIterator[m.AcceptedMsg | m.TokensMsg | m.ErrorMsg]:
+    async def generate(
+        self, req: m.GenerateReq | m.AdoptReq
+    ) -> AsyncIterator[m.AcceptedMsg | m.TokensMsg | m.HandedOffMsg | m.ErrorMsg]:
         """Messages for one request until it finishes or fails. Closing the iterator early aborts it."""
         if self.dead:
             raise EngineDeadError("the engine process is not running")
@@ -155,7 +157,9 @@ class EngineClient:
             await self.to_engine.send(self.encoder.encode(req))
             while True:
                 msg = await queue.get()
-                finished = isinstance(msg, m.ErrorMsg) or (isinstance(msg, m.TokensMsg) and msg.finish_reason)
+                finished = isinstance(msg, (m.ErrorMsg, m.HandedOffMsg)) or (
+                    isinstance(msg, m.TokensMsg) and msg.finish_reason
+                )
                 yield msg
                 if finished:
                     return

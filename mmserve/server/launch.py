@@ -23,6 +23,7 @@ from mmserve.dispatch.policy import make_policy
 from mmserve.dispatch.registry import EncoderRegistry, RegistryConfig
 from mmserve.server.encoder_workers import EncoderWorkers
 from mmserve.server.engine_client import EngineClient, EngineDeadError
+from mmserve.server.parent_watch import exit_with_parent
 from mmserve.transport import cluster_auth
 
 logger = logging.getLogger("mmserve.server")
@@ -146,7 +147,9 @@ async def serve_async(server_cfg: ServerConfig, engine_cfg: EngineConfig) -> int
         print(f"mmserve: serving {server_cfg.served_model_name!r} on http://{server_cfg.host}:{server_cfg.port}",
               flush=True)  # fmt: skip
         prober = asyncio.create_task(dispatcher.probe_forever())
+        orphan_watch = asyncio.create_task(exit_with_parent(lambda: setattr(server, "should_exit", True)))
         yield
+        orphan_watch.cancel()
         prober.cancel()
         await dispatcher.close()
         workers.terminate()

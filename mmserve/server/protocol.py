@@ -57,6 +57,17 @@ TokenId = Annotated[int, Field(ge=0, le=INT64_MAX)]
 IGNORED_FIELDS = ("user", "metadata", "store", "service_tier")
 
 
+class KvTransferParams(BaseModel):
+    """Set by `mmserve router` on the requests it sends to prefill and decode servers (mmserve.disagg): the
+    room names the request on both; the prefill server also gets the decode engine's bootstrap and backend."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    room: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,128}$")
+    decode_bootstrap: str | None = Field(default=None, pattern=r"^tcp://[^\s/]+:[0-9]{1,5}$")
+    backend: Literal["zmq", "mooncake"] = "zmq"
+
+
 class _SamplingFields(BaseModel):
     # A field this server does not implement is a 400 naming it ("extra_forbidden"), never accepted and
     # ignored; the few that cannot change the output are declared below (IGNORED_FIELDS) and logged.
@@ -78,6 +89,7 @@ class _SamplingFields(BaseModel):
     stream_options: StreamOptions | None = None
     # Tenant scope of the prefix and embedding caches (vLLM's field): equal salts share hits, others never.
     cache_salt: StrictStr | None = Field(default=None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
+    kv_transfer_params: KvTransferParams | None = None  # router -> prefill / decode servers only
     # Accepted and ignored: they cannot change the output (README, "Request fields").
     user: str | None = None
     metadata: dict[str, str] | None = None

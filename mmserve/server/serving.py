@@ -45,6 +45,8 @@ class Generation:
     params: SamplingParams  # max_tokens None: up to the context length
     dispatcher: object | None = None  # mmserve.dispatch.dispatcher.Dispatcher
     cache_salt: str | None = None  # tenant scope of every cache (mmserve.engine.cache_salt)
+    handoff: m.KvTarget | None = None  # prefill server: hand the request to this decode engine
+    adopt_timeout_s: float | None = None  # decode server: the request comes from a prefill engine
     start_time: float = field(default_factory=time.perf_counter)
     prompt_tokens: int = 0
     cached_tokens: int = 0
@@ -52,31 +54,34 @@ class Generation:
     finish_reason: str | None = None
     mm_items: int = 0
     mm_cache_hits: int = 0  # found by the engine's local encoder
-    encoder_cache_hits: int = 0  # found by encoder services (EPD), reported when the dispatch settles
     encoded_by: list[str] = field(default_factory=list)
     timings: Timings = field(default_factory=Timings)
 
     async def start(self) -> None:
         """Send the request and wait until the engine accepted it. Raises APIError."""
-        parts = self._plan_parts()
-        try:
-            self._stream = self.client.generate(
-                m.GenerateReq(
-                    self.request_id,
-                    self.prompt_token_ids,
-                    self.media,
-                    self.params,
-                    num_parts=len(parts),
-                    cache_salt=self.cache_salt,
-                )
+        parts = [] if self.adopt_timeout_s is not None else self._plan_parts()
+        if self.adopt_timeout_s is not None:  # decode server: the prefill server did all of the above
+            req = m.AdoptReq(self.request_id, self.adopt_timeout_s)
+        else:
+            req = m.GenerateReq(
+                self.request_id,
+                self.prompt_token_ids,
+                self.media,
+                self.params,
+                num_parts=len(parts),
+                cache_salt=self.cache_salt,
+                handoff=self.handoff,
             )
+        try:
+            self._stream = self.client.generate(req)
             pending = asyncio.ensure_future(anext(self._stream))  # sends the request to the engine first
             if parts:
                 # Held here: the event loop keeps only a weak reference to a task.
                 self._dispatch = asyncio.ensure_future(
                     self.dispatcher.run(self.request_id, to_encode(self.media), parts, self.cache_salt)
                 )
-                self._dispatch.add_done_callback(self._dispatched)
+                # Its outcome reaches the engine (parts or a FailReq); retrieve it so nothing logs it as lost.
+                self._dispatch.add_done_callback(lambda t: t.cancelled() or t.exception())
             first = await pending
         except EngineDeadError as e:
             raise APIError(503, str(e), "engine_unavailable") from e
@@ -88,6 +93,26 @@ class Generation:
         self.encoded_by = list(first.encoded_by)
         self.timings.encode_s = first.encode_s
         self.metrics.encode_time.observe(first.encode_s)
+
+    async def handed_off(self) -> m.HandedOffMsg:
+        """Prefill server: wait until the decode engine has the request. Raises APIError."""
+        try:
+            msg = await anext(self._stream)
+        except StopAsyncIteration as e:  # cannot happen: the stream ends only after one of the two below
+            raise APIError(500, "the engine ended the handoff without an answer", "internal_error") from e
+        finally:
+            await self._stream.aclose()
+        if isinstance(msg, m.ErrorMsg):
+            self.metrics.requests.labels(self.metrics.model_name, "error").inc()
+            raise APIError.of(msg.failure)
+        assert isinstance(msg, m.HandedOffMsg), msg
+        self.cached_tokens = msg.num_cached_tokens
+        self.timings.queue_s, self.timings.prefill_s = msg.queue_s, msg.prefill_s
+        self.timings.ttft_s = self.timings.e2e_s = time.perf_counter() - self.start_time
+        self.metrics.queue_time.observe(msg.queue_s)
+        self.metrics.prefill_time.observe(msg.prefill_s)
+        self.metrics.requests.labels(self.metrics.model_name, "handoff").inc()
+        return msg
 
     def _plan_parts(self) -> list:
         """EPD parts for this request's media still to encode (precomputed embeddings never go to an encoder;
@@ -164,17 +189,12 @@ class Generation:
     def extra(self) -> dict:
         """Non-standard response field with per-request timings (the OpenAI SDK keeps unknown fields).
 
-        In EPD the encoders report their cache hits in their answers to the dispatcher, which normally come
-        in before the first token; if one is still outstanding it is simply not counted (never waited for).
+        `mm_cache_hits` counts the items found in an embedding cache: the engine's local encoder's, or (EPD)
+        the encoders', which each part's header reports; every part arrives before the request is admitted.
         """
         return {
             "timings": self.timings.as_dict(),
             "encoded_by": ", ".join(self.encoded_by) or "none",
             "mm_items": self.mm_items,
-            "mm_cache_hits": self.mm_cache_hits + self.encoder_cache_hits,
+            "mm_cache_hits": self.mm_cache_hits,
         }
-
-    def _dispatched(self, task: asyncio.Future) -> None:
-        """The dispatcher settled every part: record the encoders' cache hits (a statistic, never awaited)."""
-        if not task.cancelled() and task.exception() is None:
-            self.encoder_cache_hits = task.result()

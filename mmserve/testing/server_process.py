@@ -86,6 +86,37 @@ def start_encoder(model_dir: str, *args: str, log_dir: str, timeout_s: float = 1
     return _start(cmd, port, log_dir, "encoder", timeout_s, env)
 
 
+def start_router(
+    prefill: list[str],
+    decode: list[str],
+    *args: str,
+    log_dir: str,
+    timeout_s: float = 60.0,
+    env: dict[str, str] | None = None,
+) -> ServerHandle:
+    """`mmserve router` over these prefill and decode servers on a free loopback port; returns once its /health
+    is 200 (it has a healthy server of each role)."""
+
+    def cmd(port: int) -> list[str]:
+        return [
+            sys.executable,
+            "-m",
+            "mmserve.cli",
+            "router",
+            "--prefill",
+            *prefill,
+            "--decode",
+            *decode,
+            "--port",
+            str(port),
+            "--log-level",
+            "warning",
+            *args,
+        ]
+
+    return _start(cmd, None, log_dir, "router", timeout_s, env)
+
+
 def _start(cmd: Callable[[int], list[str]], port: int | None, log_dir: str, kind: str, timeout_s: float,
            env: dict[str, str] | None, attempts: int = 3) -> ServerHandle:  # fmt: skip
     """Starts `cmd(port)`; a free port picked here can be taken by another process before the child binds

@@ -77,6 +77,7 @@ class PartHeader(msgspec.Struct, frozen=True):
     items: list[ItemHeader]
     error: Failure | None = None
     sent_at: float = 0.0  # time.time() at send (for transfer-time metrics and the replay window)
+    cache_hits: int = 0  # items of this part the encoder found in its caches (usage reports)
 
 
 class _VersionOnly(msgspec.Struct):  # decoded first: another version gets a version error, not a schema one
@@ -125,6 +126,7 @@ class OutgoingPart:
     flats: list[torch.Tensor]  # flat uint8 views of the tensors, in payload order
     nbytes: int  # payload size
     error: Failure | None = None
+    cache_hits: int = 0
 
     def header(self) -> bytes:
         """The msgpack header, stamped with the send time (the replay window and transfer metrics)."""
@@ -137,6 +139,7 @@ class OutgoingPart:
             self.items,
             self.error,
             time.time(),
+            self.cache_hits,
         )
         return msgspec.msgpack.encode(header)
 
@@ -166,7 +169,12 @@ class OutgoingPart:
 
 
 def build_part(
-    request_id: str, part_index: int, num_parts: int, encoder: str, items: list[EmbeddingItem]
+    request_id: str,
+    part_index: int,
+    num_parts: int,
+    encoder: str,
+    items: list[EmbeddingItem],
+    cache_hits: int = 0,
 ) -> OutgoingPart:
     """Lay out a part (no copy yet): every tensor starts at a multiple of :data:`ITEM_ALIGN` bytes."""
     for entry in items:
@@ -189,7 +197,9 @@ def build_part(
                 entry.item_index, bytes(it.content_hash), it.modality.value, bytes(it.metadata), tensors
             )
         )
-    return OutgoingPart(request_id, part_index, num_parts, encoder, headers, flats, end)
+    return OutgoingPart(
+        request_id, part_index, num_parts, encoder, headers, flats, end, cache_hits=cache_hits
+    )
 
 
 def error_part(

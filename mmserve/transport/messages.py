@@ -12,7 +12,7 @@ import msgspec
 
 from mmserve.engine.sampling_params import SamplingParams
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 
 
 class Failure(msgspec.Struct, frozen=True):
@@ -50,6 +50,14 @@ class MediaItemMsg(msgspec.Struct, frozen=True):
     embedding: PrecomputedEmbedding | None = None  # set: a precomputed item (no url / data)
 
 
+class KvTarget(msgspec.Struct, frozen=True):
+    """Where a prefill engine sends a request's KV (mmserve.disagg): chosen by the router."""
+
+    room: str
+    bootstrap: str  # the decode engine's handoff socket, tcp://HOST:PORT
+    backend: str  # "zmq" | "mooncake"
+
+
 # -- API server -> engine ------------------------------------------------------------------------
 class GenerateReq(msgspec.Struct, tag="generate"):
     request_id: str
@@ -59,6 +67,16 @@ class GenerateReq(msgspec.Struct, tag="generate"):
     num_parts: int = 0  # > 0: embeddings arrive from encoders in this many parts; 0: encode in-process
     # Tenant scope of the prefix cache and of every item's content hash (mmserve.engine.cache_salt).
     cache_salt: str | None = None
+    # Prefill server: prefill, sample the first token, hand the request (KV and state) to this decode engine.
+    handoff: KvTarget | None = None
+
+
+class AdoptReq(msgspec.Struct, tag="adopt"):
+    """Decode server: this request (`request_id` = the router's room) arrives from a prefill engine; stream
+    its tokens. It fails with 504 if the handoff has not arrived within `timeout_s`."""
+
+    request_id: str
+    timeout_s: float
 
 
 class LocalEncodeReq(msgspec.Struct, tag="local_encode"):
@@ -90,7 +108,7 @@ class ShutdownReq(msgspec.Struct, tag="shutdown"):
     pass
 
 
-ToEngine = GenerateReq | LocalEncodeReq | FailReq | AbortReq | PingReq | ShutdownReq
+ToEngine = GenerateReq | AdoptReq | LocalEncodeReq | FailReq | AbortReq | PingReq | ShutdownReq
 
 
 # -- engine -> API server ------------------------------------------------------------------------
@@ -102,6 +120,10 @@ class ReadyMsg(msgspec.Struct, tag="ready"):
     kv_bytes_per_token: int
     embedding_endpoints: dict[str, str]  # transport scheme -> where encoders push embedding parts
     has_tower: bool  # the engine can encode media itself (monolithic / local failover)
+    kv_bootstrap: str | None = (
+        None  # decode engine: where prefill engines hand requests over (mmserve.disagg)
+    )
+    kv_backends: list[str] = []  # KV transfer backends this engine can use ("zmq", "mooncake")
 
 
 class AcceptedMsg(msgspec.Struct, tag="accepted"):
@@ -122,6 +144,18 @@ class TokensMsg(msgspec.Struct, tag="tokens"):
     num_cached_tokens: int = 0
     queue_s: float = 0.0  # set on the first message of a request
     prefill_s: float = 0.0
+
+
+class HandedOffMsg(msgspec.Struct, tag="handed_off"):
+    """Prefill server: the request's KV and state reached its decode engine (the request ends here)."""
+
+    request_id: str
+    first_token: int
+    kv_bytes: int
+    transfer_s: float  # from the reservation to the decode engine's commit
+    num_cached_tokens: int
+    queue_s: float
+    prefill_s: float
 
 
 class ErrorMsg(msgspec.Struct, tag="error"):
@@ -151,7 +185,11 @@ class StatsMsg(msgspec.Struct, tag="stats"):
     # The local encoder's global embedding store: StoreStats field -> value (mmserve.encoder.embedding_store);
     # empty without a store.
     embedding_store: dict[str, float] = {}
+    kv_handoffs: int = 0  # requests handed to a decode engine (prefill) or adopted from one (decode)
+    kv_handoff_failures: int = 0
+    kv_bytes: int = 0  # KV bytes sent (prefill) or received (decode)
+    kv_pending: int = 0  # handoffs in progress (their slots held)
     integrity_error: str | None = None  # set when a PingReq asked for a check and it failed ("" = passed)
 
 
-FromEngine = ReadyMsg | AcceptedMsg | TokensMsg | ErrorMsg | StatsMsg
+FromEngine = ReadyMsg | AcceptedMsg | TokensMsg | HandedOffMsg | ErrorMsg | StatsMsg

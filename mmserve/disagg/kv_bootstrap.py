@@ -1,0 +1,312 @@
+"""Decode side of the handoff: the bootstrap socket where prefill engines hand requests over.
+
+A ROUTER on ``tcp://HOST:PORT``, polled by the engine loop (which alone touches the engine, so every slot
+moves on that one thread). A room meets two parties, in either order: the prefill engine's Reserve/Commit
+(mmserve.disagg.kv_messages) and the API server's AdoptReq (the router sent the client's request to both
+servers). A committed request whose AdoptReq has not come yet waits, parked, holding its slots.
+
+Ownership: a reservation's slots belong to its `_Room` until the commit hands them to the adopted request
+(`Engine.adopt`); every other ending (Cancel, abort by the API server, deadline, bad commit, shutdown) gives
+them back with `Scheduler.unreserve`. Each room has one deadline: the AdoptReq's timeout while the prefill server
+works, then `kv_transfer_timeout_s` from the reservation to the commit, and again from the commit to the
+AdoptReq; the API server's side gets a 504 when it passes.
+
+Admission: a reservation is granted only if the request fits to its last token beside everything running and
+reserved (`outstanding_growth`), so decoding never has to retract an adopted request, which could not be
+recomputed here. Otherwise the prefill engine is told 503 `decode_at_capacity` and the router tries elsewhere.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import msgspec
+import torch
+import zmq
+
+from mmserve.disagg import kv_messages as k
+from mmserve.engine.engine import Engine
+from mmserve.engine.request import Request
+from mmserve.models.loader import parse_dtype
+from mmserve.transport import messages as m
+from mmserve.transport.cluster_auth import ClusterSecret, PartRejected, PartVerifier
+
+logger = logging.getLogger("mmserve.disagg")
+
+
+@dataclass
+class _Room:
+    deadline: float  # time.monotonic()
+    expected: bool = False  # the API server's AdoptReq arrived
+    peer: bytes | None = None  # ROUTER identity of the prefill engine
+    slots: torch.Tensor | None = None  # reserved (ours until adoption)
+    total: int = 0
+    request: Request | None = None  # committed, waiting for the AdoptReq
+    accepted: list = field(default_factory=list)  # its first messages for the API server
+
+
+class KvBootstrap:
+    def __init__(
+        self, engine: Engine, host: str, port: int, timeout_s: float, secret: ClusterSecret | None = None
+    ) -> None:
+        self.engine = engine
+        self.timeout_s = timeout_s
+        self.ctx = zmq.Context()
+        self.socket = self.ctx.socket(zmq.ROUTER)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted prefill engine keeps its identity
+        if port:
+            self.socket.bind(f"tcp://{host}:{port}")
+        else:
+            port = self.socket.bind_to_random_port(f"tcp://{host}")
+        self.endpoint = f"tcp://{host}:{port}"
+        self.verifier = PartVerifier(secret) if secret is not None else None
+        self.secret = secret
+        mc, cfg = engine.model_config, engine.cfg
+        self.layout = k.KvLayout(mc.num_layers, mc.num_kv_heads, mc.head_dim, str(parse_dtype(cfg.dtype)))
+        self.mooncake = None
+        try:
+            from mmserve.disagg.kv_mooncake import KvMooncake
+
+            self.mooncake = KvMooncake(engine.pool, host)
+        except (ImportError, OSError, ValueError) as e:  # the zmq backend still works
+            logger.warning("Mooncake KV backend unavailable on this decode engine: %s", e)
+        self.rooms: dict[str, _Room] = {}
+        self.handoffs = self.failures = self.bytes_received = 0
+
+    @property
+    def pollable(self) -> zmq.Socket:
+        return self.socket
+
+    @property
+    def backends(self) -> list[str]:
+        return ["zmq", "mooncake"] if self.mooncake is not None else ["zmq"]
+
+    @property
+    def num_pending(self) -> int:
+        return len(self.rooms)
+
+    # -- the prefill engines' side ----------------------------------------------------------------
+    def drain(self) -> list:
+        """Handle every waiting message; returns messages for the API server."""
+        out: list = []
+        while True:
+            try:
+                frames = self.socket.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return out
+            peer, body = frames[0], frames[1:]
+            try:
+                msg = k.to_decode.decode(body[0])
+                if self.verifier is not None:
+                    self.verifier.check_fresh(self.verifier.check_mac(body), msg.sent_at)
+            except (msgspec.DecodeError, IndexError) as e:
+                logger.warning("dropped a malformed KV handoff message: %s", e)
+                continue
+            except PartRejected as e:
+                logger.warning("dropped a KV handoff message: %s", e)
+                continue
+            if isinstance(msg, k.Reserve):
+                reply = self._reserve(peer, msg)
+                if isinstance(reply, k.Refused) and reply.failure.code != "duplicate_room":
+                    # This room's KV will never come here: its API request ends now (503 lets the router,
+                    # which retries elsewhere with a new room, tell a refusal from a failure).
+                    self._end(msg.room, reply.failure, out)
+                self._reply(peer, reply)
+            elif isinstance(msg, k.Commit):
+                self._reply(peer, self._commit(msg, body[1] if len(body) > 1 else b"", out))
+            elif isinstance(msg, k.Cancel):
+                self._end(
+                    msg.room,
+                    m.Failure(
+                        502, "kv_transfer_failed", f"the prefill engine cancelled the handoff ({msg.reason})"
+                    ),
+                    out,
+                )
+
+    def _reply(self, peer: bytes, msg) -> None:
+        frames = [k.encoder.encode(msg), b""]
+        if self.secret is not None:
+            frames = self.secret.sign(frames)
+        self.socket.send_multipart([peer, *frames])
+
+    def _reserve(self, peer: bytes, msg: k.Reserve):
+        def refuse(status: int, code: str, text: str) -> k.Refused:
+            return k.Refused(msg.room, m.Failure(status, code, text))
+
+        room = self.rooms.get(msg.room)
+        if room is not None and room.peer is not None:
+            return refuse(409, "duplicate_room", f"room {msg.room!r} already has a handoff")
+        if msg.layout != self.layout:
+            return refuse(
+                400,
+                "kv_layout_mismatch",
+                f"KV layout {msg.layout} does not match this decode "
+                f"engine's {self.layout} (same model and dtype needed)",
+            )
+        if msg.backend not in self.backends:
+            return refuse(
+                400,
+                "kv_backend_unavailable",
+                f"this decode engine offers {self.backends}, not {msg.backend!r}",
+            )
+        pool, scheduler = self.engine.pool, self.engine.scheduler
+        if msg.total > min(pool.num_slots, self.engine.model_config.max_model_len):
+            # 503 like a full pool: another decode server (a bigger one) may take it; the router tries.
+            return refuse(
+                503,
+                "decode_at_capacity",
+                f"{msg.total} tokens (prompt + max_tokens) never fit this decode engine "
+                f"({pool.num_slots} KV slots, context {self.engine.model_config.max_model_len})",
+            )
+        pending = sum(r.total - r.slots.numel() for r in self.rooms.values() if r.slots is not None)
+        room_left = pool.num_free - scheduler.outstanding_growth() - pending
+        if msg.total > room_left:
+            return refuse(
+                503,
+                "decode_at_capacity",
+                f"decode engine has room for {max(room_left, 0)} more tokens; this request needs {msg.total}",
+            )
+        if msg.order and sorted(msg.order) != list(range(msg.rows)):
+            return refuse(400, "bad_handoff", "the reservation's slot order is not a permutation of its rows")
+        slots = scheduler.reserve(msg.rows)
+        if slots is None:  # counted free above: cannot happen unless the accounting is wrong
+            return refuse(503, "decode_at_capacity", "decode engine could not reserve KV slots")
+        if msg.order:
+            slots = slots.sort().values[torch.tensor(msg.order, dtype=torch.int64)]
+        if room is None:
+            room = self.rooms[msg.room] = _Room(0.0)
+        # From here the transfer has kv_transfer_timeout_s to commit, however long the prefill queue was.
+        room.deadline = time.monotonic() + self.timeout_s
+        room.peer, room.slots, room.total = peer, slots, msg.total
+        target = self.mooncake.target() if msg.backend == "mooncake" else None
+        return k.Reserved(msg.room, slots.tolist(), target)
+
+    def _commit(self, msg: k.Commit, payload, out: list):
+        room = self.rooms.get(msg.room)
+        if room is None or room.slots is None or room.request is not None:
+            return k.Refused(
+                msg.room, m.Failure(409, "unknown_room", f"no reservation for room {msg.room!r}")
+            )
+        state = msg.state
+        try:
+            rows = room.slots.numel()
+            if state.finish_reason is None and rows != len(state.prompt_ids):
+                raise ValueError(f"{rows} rows reserved for a {len(state.prompt_ids)}-token prompt")
+            if len(payload):  # zmq backend: the rows ride on the commit
+                shape = (2, self.layout.num_layers, rows, self.layout.num_kv_heads, self.layout.head_dim)
+                data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+                pool = self.engine.pool
+                expected = 2 * self.layout.num_layers * rows * pool.row_bytes
+                if data.numel() != expected:
+                    raise ValueError(f"KV payload is {data.numel()} bytes, {expected} expected")
+                pool.scatter(room.slots, data.view(pool.dtype).view(shape))
+            self.bytes_received += 2 * self.layout.num_layers * rows * self.engine.pool.row_bytes
+            room.request = _request(msg.room, state)
+        except (ValueError, RuntimeError) as e:
+            self._end(msg.room, m.Failure(502, "kv_transfer_failed", f"bad KV handoff: {e}"), out)
+            return k.Refused(msg.room, m.Failure(400, "bad_handoff", str(e)))
+        room.accepted = _first_messages(msg.room, state)
+        room.deadline = time.monotonic() + self.timeout_s  # parked until the API server's AdoptReq
+        if room.expected:
+            self._adopt(msg.room, out)
+        return k.Committed(msg.room)
+
+    # -- the API server's side --------------------------------------------------------------------
+    def expect(self, request_id: str, timeout_s: float) -> list:
+        """AdoptReq: the API server streams this room's tokens (a handoff may already be parked)."""
+        room = self.rooms.get(request_id)
+        if room is None:  # the prefill server is still encoding / queueing / prefilling: wait up to timeout_s
+            room = self.rooms[request_id] = _Room(time.monotonic() + timeout_s)
+        room.expected = True
+        out: list = []
+        if room.request is not None:
+            self._adopt(request_id, out)
+        return out
+
+    def abort(self, request_id: str) -> None:
+        self._end(request_id, None, [])
+
+    def expire(self) -> list:
+        out: list = []
+        now = time.monotonic()
+        for rid in [rid for rid, room in self.rooms.items() if room.deadline < now]:
+            self._end(
+                rid,
+                m.Failure(
+                    504, "kv_transfer_timeout", "the prefill server's KV handoff did not arrive in time"
+                ),
+                out,
+            )
+        return out
+
+    def _adopt(self, rid: str, out: list) -> None:
+        room = self.rooms.pop(rid)
+        req = room.request
+        out.extend(room.accepted)
+        self.handoffs += 1
+        if req.finished:  # the first token ended it: nothing to decode, nothing was reserved
+            self.engine.scheduler.unreserve(room.slots)
+            return
+        try:
+            self.engine.adopt(req, room.slots)
+        except ValueError as e:
+            self.engine.scheduler.unreserve(room.slots)
+            out[-len(room.accepted) :] = [m.ErrorMsg(rid, m.Failure(409, "duplicate_request", str(e)))]
+
+    def _end(self, rid: str, failure: m.Failure | None, out: list) -> None:
+        """Forget a room, giving back its reservation; with `failure`, count it and tell the waiting API request."""
+        self.failures += failure is not None
+        room = self.rooms.pop(rid, None)
+        if room is None:
+            return
+        if room.slots is not None:
+            self.engine.scheduler.unreserve(room.slots)
+        if failure is not None and room.expected:
+            out.append(m.ErrorMsg(rid, failure))
+
+    def close(self) -> None:
+        for rid in list(self.rooms):
+            self._end(rid, None, [])
+        self.socket.close(0)
+        self.ctx.term()
+        if self.mooncake is not None:
+            self.mooncake.close()
+
+
+def _request(room: str, state: k.HandoffState) -> Request:
+    generator = None
+    if state.generator_state is not None:
+        generator = torch.Generator()
+        generator.set_state(torch.frombuffer(bytearray(state.generator_state), dtype=torch.uint8))
+    req = Request(
+        room,
+        list(state.prompt_ids),
+        state.sampling,
+        rope_delta=state.rope_delta,
+        generator=generator,
+        recomputable=False,
+    )
+    req.append_output(state.first_token)
+    req.num_cached_tokens = state.num_cached_tokens
+    if state.finish_reason is not None:
+        req.finish_reason = state.finish_reason
+        req.status = req.status.FINISHED
+    return req
+
+
+def _first_messages(room: str, state: k.HandoffState) -> list:
+    accepted = m.AcceptedMsg(
+        room, state.prompt_tokens, state.encode_s, state.mm_items, state.mm_cache_hits, list(state.encoded_by)
+    )
+    tokens = m.TokensMsg(
+        room,
+        [state.first_token],
+        state.finish_reason,
+        state.num_cached_tokens,
+        state.queue_s,
+        state.prefill_s,
+    )
+    return [accepted, tokens]
