@@ -99,22 +99,3 @@ def test_family_through_the_router_matches_hf(arch, tiny_model, logs):
         assert text == expected(spec.two([1, 2]))
     finally:
         assert server.stop() == 0
-
-
-def test_epd_pipeline_in_bfloat16_matches_hf_bfloat16(tiny_qwen2_vl, logs):
-    """Encoder worker, prefill server (language only: media through the encoder), decode server, router."""
-    spec = FAMILIES["qwen2_vl"]
-    expected = reference_text(tiny_qwen2_vl, MAX_NEW, spec.mm_kwargs, dtype="bfloat16")
-    server = start_server(
-        tiny_qwen2_vl,
-        *pipeline_args("qwen2_vl", "--dtype", "bfloat16", "--encoder-workers", "1", "--language-only"),
-        log_dir=logs,
-    )
-    try:
-        case = spec.two([70, 71])
-        r = chat(server.url, case)
-        assert content(r) == expected(case)
-        path = route(r)
-        assert "127.0.0.1" in path["encoded_by"], path  # an encoder process, not the prefill server's tower
-    finally:
-        assert server.stop() == 0

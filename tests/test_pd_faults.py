@@ -7,7 +7,8 @@ scenario has its own router, so which servers a request can reach is fixed:
 - a frozen decode server: the prefill server's KV transfer times out (504), both sides free their slots;
 - a decode server killed mid-generation: the stream ends with an explicit error within seconds;
 - a prefill server killed after handing off: decoding goes on to the right answer.
-Every surviving server ends with zero leaked slots (`/health?check_integrity=true`).
+Every surviving server ends with zero leaked slots (`/health?check_integrity=true`). The servers run in
+bfloat16: an image request through the router equals HF `generate` in bfloat16.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import pytest
 from mmserve.testing.probes import settled_integrity
 from mmserve.testing.server_process import start_router, start_server
 from mmserve.transport.cluster_auth import ClusterSecret
+from tests.engine_helpers import image_case, reference_text
 
 SECRET = "pd-faults-" + "x" * 24
 ENV = {"MMSERVE_CLUSTER_SECRET": SECRET}
@@ -34,12 +36,21 @@ TEXT = [{"role": "user", "content": "Tell me a long story about a cat."}]
 @pytest.fixture(scope="module")
 def cluster(tiny_qwen2_vl, tmp_path_factory):
     logs = str(tmp_path_factory.mktemp("pd-faults"))
-    common = ("--kv-cache-mb", "16", "--max-model-len", "2048")
+    common = ("--kv-cache-mb", "16", "--max-model-len", "2048", "--dtype", "bfloat16")
     specs = {
         "prefill": ("--disaggregation-mode", "prefill", "--kv-transfer-timeout-s", "2", *common),
         "spare_prefill": ("--disaggregation-mode", "prefill", *common),
-        # 256 slots (512 bytes per token): a request of 300 tokens never fits here.
-        "decode": ("--disaggregation-mode", "decode", "--kv-cache-mb", "0.125", "--max-model-len", "2048"),
+        # 256 slots (256 bytes per token in bfloat16): a request of 300 tokens never fits here.
+        "decode": (
+            "--disaggregation-mode",
+            "decode",
+            "--kv-cache-mb",
+            "0.0625",
+            "--max-model-len",
+            "2048",
+            "--dtype",
+            "bfloat16",
+        ),
         "victim": ("--disaggregation-mode", "decode", *common),
     }
     with concurrent.futures.ThreadPoolExecutor(len(specs)) as pool:
@@ -77,12 +88,20 @@ def clean(cluster, *names: str) -> None:
         assert health["status"] == "ok" and health["kv_pending"] == 0, (name, health)
 
 
-def test_decode_server_that_cannot_hold_a_request_refuses_it(cluster):
+def test_decode_server_that_cannot_hold_a_request_refuses_it(cluster, tiny_qwen2_vl):
     small = router(cluster, ["prefill"], ["decode"])
     both = router(cluster, ["prefill"], ["decode", "victim"])
     try:
-        ok = chat(small.url, 16)
-        assert ok.status_code == 200, ok.text
+        info = httpx.get(cluster[0]["decode"].url + "/disagg/info", headers=HEADERS, timeout=10).json()
+        assert (
+            info["mode"] == "decode" and info["has_tower"] is False and info["bootstrap"].startswith("tcp://")
+        )
+        assert httpx.get(cluster[0]["decode"].url + "/disagg/info", timeout=10).status_code == 401  # no token
+        case = image_case([5, 6], "Compare them.", sizes=[(64, 48), (48, 80)])
+        expected = reference_text(tiny_qwen2_vl, 8, {}, dtype="bfloat16")(case)
+        body = {"messages": case.messages, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+        ok = httpx.post(small.url + "/v1/chat/completions", json=body, timeout=60)
+        assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["content"] == expected, ok.text
         assert "decode=" in ok.headers["x-mmserve-route"]
         r = chat(small.url, 300)  # prompt + 300 never fits 256 slots: refused, no other decode server
         assert r.status_code == 503 and r.json()["error"]["code"] == "decode_at_capacity", r.text

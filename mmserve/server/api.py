@@ -491,6 +491,7 @@ def build_app(
             "kv_backends": list(ready.kv_backends),
             "max_model_len": ready.max_model_len,
             "kv_cache_tokens": ready.kv_cache_tokens,
+            "has_tower": ready.has_tower,  # a decode server never loads vision or audio weights
         }
 
     # -- operations -------------------------------------------------------------------------------
