@@ -103,6 +103,12 @@ def test_decode_server_that_cannot_hold_a_request_refuses_it(cluster, tiny_qwen2
         ok = httpx.post(small.url + "/v1/chat/completions", json=body, timeout=60)
         assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["content"] == expected, ok.text
         assert "decode=" in ok.headers["x-mmserve-route"]
+        for name in ("prefill", "decode"):  # both ends count the handoff and its bytes
+            text = httpx.get(cluster[0][name].url + "/metrics", timeout=10).text
+            assert any(
+                line.startswith("mmserve:kv_transfer_bytes") and float(line.split()[-1]) > 0
+                for line in text.splitlines()
+            ), name
         r = chat(small.url, 300)  # prompt + 300 never fits 256 slots: refused, no other decode server
         assert r.status_code == 503 and r.json()["error"]["code"] == "decode_at_capacity", r.text
         # A prefill error (bad media) is the client's answer; the router closes its decode request, and the

@@ -115,6 +115,14 @@ class KvBootstrap:
                     # which retries elsewhere with a new room, tell a refusal from a failure).
                     self._end(msg.room, reply.failure, out)
                 self._reply(peer, reply)
+            elif not self._from_owner(
+                msg.room, peer
+            ):  # only the engine that reserved a room may fill or end it
+                logger.warning("dropped a KV %s for room %s from another peer", type(msg).__name__, msg.room)
+                if isinstance(msg, k.Commit):
+                    self._reply(
+                        peer, k.Refused(msg.room, m.Failure(409, "unknown_room", "not your reservation"))
+                    )
             elif isinstance(msg, k.Commit):
                 self._reply(peer, self._commit(msg, body[1] if len(body) > 1 else b"", out))
             elif isinstance(msg, k.Cancel):
@@ -125,6 +133,10 @@ class KvBootstrap:
                     ),
                     out,
                 )
+
+    def _from_owner(self, rid: str, peer: bytes) -> bool:
+        room = self.rooms.get(rid)
+        return room is None or room.peer is None or room.peer == peer
 
     def _reply(self, peer: bytes, msg) -> None:
         frames = [k.encoder.encode(msg), b""]

@@ -67,6 +67,15 @@ class ServerMetrics:
         self.transfer_held = gauge(
             "transfer_held_bytes", "Shared-memory / Mooncake pool bytes live requests view"
         )
+        # Prefill-decode disaggregation (mmserve.disagg): handoffs sent (prefill) or adopted (decode).
+        self.kv_handoffs = gauge(
+            "kv_handoffs", "Requests handed to a decode server (prefill) or adopted (decode)"
+        )
+        self.kv_handoff_failures = gauge(
+            "kv_handoff_failures", "Handoffs that failed, timed out or were refused"
+        )
+        self.kv_bytes = gauge("kv_transfer_bytes", "KV bytes sent (prefill) or received (decode)")
+        self.kv_pending = gauge("kv_handoffs_pending", "Handoffs in progress (their KV slots held)")
         # The engine's local encoder's global embedding store (--embedding-store); absent: all 0.
         self.store = {name: gauge(f"embedding_store_{name}", doc) for name, doc in STORE_METRIC_DOCS.items()}
         self.model_name = model_name
@@ -88,6 +97,10 @@ class ServerMetrics:
         self.preemptions.set(stats.num_preemptions)
         self.parts_replayed.set(stats.parts_replayed)
         self.transfer_held.set(stats.transfer_held_bytes)
+        self.kv_handoffs.set(stats.kv_handoffs)
+        self.kv_handoff_failures.set(stats.kv_handoff_failures)
+        self.kv_bytes.set(stats.kv_bytes)
+        self.kv_pending.set(stats.kv_pending)
         for name, value in stats.embedding_store.items():
             if name in self.store:
                 self.store[name].set(value)
