@@ -10,7 +10,8 @@ import torch
 import zmq
 
 from mmserve.multimodal.items import MAIN, ItemEmbedding, Modality
-from mmserve.testing.server_process import start_encoder, start_server
+from mmserve.testing.process_group import EncoderSpec, start_with_encoders, stop_all
+from mmserve.testing.server_process import start_server
 from mmserve.transport.cluster_auth import ENV_VAR, HTTP_HEADER, ClusterSecret, PartRejected, PartVerifier
 from mmserve.transport.embedding_wire import EmbeddingItem, encode_part
 from mmserve.transport.zmq_channel import EmbeddingReceiver, EmbeddingSender
@@ -197,14 +198,17 @@ def test_forged_tampered_and_replayed_parts_are_dropped_and_counted(secured):
 
 def test_encoder_with_another_secret_is_not_used(tiny_qwen2_vl, logs):
     """A static encoder with the wrong secret answers 401: the server fails over to local encoding."""
-    enc = start_encoder(tiny_qwen2_vl, log_dir=logs, env={ENV_VAR: OTHER})
-    server = start_server(tiny_qwen2_vl, "--kv-cache-mb", "16", "--encoder-urls", enc.url, log_dir=logs,
-                          env={ENV_VAR: SECRET})  # fmt: skip
+    server, (enc,) = start_with_encoders(
+        tiny_qwen2_vl,
+        ["--kv-cache-mb", "16"],
+        [EncoderSpec(env={ENV_VAR: OTHER})],
+        log_dir=logs,
+        server_env={ENV_VAR: SECRET},
+    )
     try:
         r = chat(server.url, image_case([43], "Who encoded this?"))
         assert r.status_code == 200, r.text
         assert r.json()["mmserve"]["encoded_by"] == "local (failover)"
         assert "cluster token" in server.log()
     finally:
-        assert server.stop() == 0
-        assert enc.stop() == 0
+        assert stop_all([server, enc]) == [0, 0]

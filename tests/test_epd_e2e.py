@@ -7,13 +7,15 @@ import http.server
 import json
 import threading
 import time
+from dataclasses import dataclass
 
 import httpx
 import pytest
 import zmq
 
-from mmserve.testing.probes import metric, open_fds
-from mmserve.testing.server_process import free_port, start_encoder, start_server
+from mmserve.testing.probes import metric, open_fds, settled_integrity
+from mmserve.testing.process_group import EncoderSpec, start_together, start_with_encoders, stop_all
+from mmserve.testing.server_process import ServerHandle, free_port, start_encoder, start_server
 from mmserve.transport.cluster_auth import ENV_VAR, ClusterSecret
 from tests.engine_helpers import image_case, reference_text, video_case
 
@@ -45,10 +47,14 @@ def content(r: httpx.Response) -> str:
 @pytest.fixture(scope="module")
 def epd2(tiny_qwen2_vl, logs):
     # Anonymous control plane (loopback only): the tests read /encoders for encoder URLs and counters.
-    handle = start_server(tiny_qwen2_vl, "--kv-cache-mb", "16", "--encoder-workers", "2",
-                          "--mm-processor-kwargs", MM_KWARGS, "--enable-anonymous-registration",
-                          log_dir=logs)  # fmt: skip
+    handle = start_server(
+        tiny_qwen2_vl,
+        *("--kv-cache-mb", "16", "--encoder-workers", "2", "--mm-processor-kwargs", MM_KWARGS),
+        "--enable-anonymous-registration",
+        log_dir=logs,
+    )
     yield handle
+    settled_integrity(handle.url)  # pools and caches consistent after every test that shared it
     assert handle.stop() == 0
 
 
@@ -125,34 +131,57 @@ def test_malformed_and_unknown_parts_are_dropped_and_counted(epd2):
     assert content(chat(epd2.url, image_case([30], "Still fine?")))
 
 
+# -- two standalone encoders with default flags, shared by the tests below that leave them running ---------
+@pytest.fixture(scope="module")
+def plain_encoders(tiny_qwen2_vl, logs):
+    """Each test reads their counters as differences and sends them images no other test sends."""
+    handles = start_together(
+        {f"encoder{i}": lambda: start_encoder(tiny_qwen2_vl, log_dir=logs) for i in range(2)}
+    )
+    yield list(handles.values())
+    assert stop_all(handles.values()) == [0, 0]
+
+
+def cache_counts(encoders: list[ServerHandle]) -> tuple[float, float]:
+    """(hits, queries) of the encoders' caches, summed."""
+    hits = sum(metric(e.url, "encoder_cache_hits") for e in encoders)
+    return hits, sum(metric(e.url, "encoder_cache_queries") for e in encoders)
+
+
 # -- round robin over two standalone encoders --------------------------------------------------------------
-def test_round_robin_computes_a_repeated_image_twice(tiny_qwen2_vl, logs):
-    encs = [start_encoder(tiny_qwen2_vl, log_dir=logs) for _ in range(2)]
-    server = start_server(tiny_qwen2_vl, "--kv-cache-mb", "16", "--encoder-urls", *[e.url for e in encs],
-                          "--encoder-routing", "round_robin", log_dir=logs)  # fmt: skip
+def test_round_robin_computes_a_repeated_image_twice(tiny_qwen2_vl, plain_encoders, logs):
+    urls = [e.url for e in plain_encoders]
+    server = start_server(
+        tiny_qwen2_vl,
+        *("--kv-cache-mb", "16", "--encoder-urls", *urls, "--encoder-routing", "round_robin"),
+        log_dir=logs,
+    )
     try:
+        hits, queries = cache_counts(plain_encoders)
         for text in ("One.", "Two."):
             assert content(chat(server.url, image_case([40], text)))
-        assert sum(metric(e.url, "encoder_cache_hits") for e in encs) == 0
-        assert sum(metric(e.url, "encoder_cache_queries") for e in encs) == 2
+        assert cache_counts(plain_encoders) == (hits, queries + 2)  # computed twice, never a hit
     finally:
         assert server.stop() == 0
-        for e in encs:
-            e.stop()
 
 
 # -- language-only: no vision weights, encoder faults ----------------------------------------------------
 class FakeEncoder:
-    """A loopback HTTP encoder that is healthy but hangs (or answers 503 / 422) on /encode."""
+    """A loopback HTTP encoder that is healthy but hangs (or answers 503 / 422) on /encode, as `mode` says."""
 
-    def __init__(self, mode: str) -> None:
-        handler = self._handler(mode)
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+    def __init__(self) -> None:
+        self.mode = "503"
         self.calls = 0
+        self.released = threading.Event()  # ends the hangs (tests never wait for them to run out)
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
-    def _handler(self, mode: str):
+    def arm(self, mode: str) -> None:
+        self.mode, self.calls = mode, 0
+        self.released.clear()
+
+    def _handler(self):
         fake = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -167,9 +196,10 @@ class FakeEncoder:
 
             def do_POST(self):
                 fake.calls += 1
+                mode = fake.mode
                 self.rfile.read(int(self.headers.get("Content-Length", 0)))
                 if mode == "hang":
-                    time.sleep(8)  # past the dispatcher's attempt timeout; bounded so the thread ends
+                    fake.released.wait(8)  # past the dispatcher's attempt timeout; bounded so the thread ends
                 # 422: an encoder of another version rejecting the job's schema; it pushes no error part.
                 self.send_response(422 if mode == "422" else 503)
                 self.send_header("Content-Type", "application/json")
@@ -179,43 +209,90 @@ class FakeEncoder:
         return Handler
 
     def close(self) -> None:
+        self.released.set()
         self.server.shutdown()
         self.server.server_close()
 
 
-@pytest.mark.parametrize("mode", ["hang", "503", "422"])
-def test_faulty_encoder_fails_over_to_a_healthy_one(tiny_qwen2_vl, expected, logs, mode):
-    fake = FakeEncoder(mode)
-    real = start_encoder(tiny_qwen2_vl, "--mm-processor-kwargs", MM_KWARGS, log_dir=logs)
-    server = start_server(tiny_qwen2_vl, "--kv-cache-mb", "16", "--language-only", "--encode-timeout-s", "9",
-                          "--encoder-urls", fake.url, real.url, "--encoder-routing", "round_robin",
-                          "--disable-prefix-cache", "--mm-processor-kwargs", MM_KWARGS,
-                          "--enable-anonymous-registration", log_dir=logs)  # fmt: skip
+@dataclass
+class FailoverStack:
+    server: ServerHandle
+    fake: FakeEncoder
+    real: ServerHandle
+
+
+@pytest.fixture(scope="module")
+def failover_stack(tiny_qwen2_vl, logs):
+    """A language-only server over a fake encoder and a real one (round robin), shared by the fault modes."""
+    fake = FakeEncoder()
+    try:
+        server, (real,) = start_with_encoders(
+            tiny_qwen2_vl,
+            [
+                *("--kv-cache-mb", "16", "--language-only", "--encode-timeout-s", "9"),
+                *("--encoder-routing", "round_robin", "--disable-prefix-cache"),
+                *("--mm-processor-kwargs", MM_KWARGS, "--enable-anonymous-registration"),
+            ],
+            [fake.url, EncoderSpec(("--mm-processor-kwargs", MM_KWARGS))],
+            log_dir=logs,
+        )
+    except BaseException:
+        fake.close()
+        raise
+    yield FailoverStack(server, fake, real)
+    assert stop_all([server, real])[0] == 0
+    fake.close()
+
+
+def wait_until_healthy(server_url: str, encoder_urls: list[str], timeout_s: float = 20) -> None:
+    """Until the server's prober holds each of these encoders healthy (a fault of the last test is behind it)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        listing = httpx.get(server_url + "/encoders", timeout=10).json()["encoders"]
+        if all(e["healthy"] for e in listing if e["url"] in encoder_urls):
+            return
+        assert time.monotonic() < deadline, listing
+        time.sleep(0.2)
+
+
+FAULT_MODES = ["hang", "503", "422"]
+
+
+@pytest.mark.parametrize("mode", FAULT_MODES)
+def test_faulty_encoder_fails_over_to_a_healthy_one(failover_stack, expected, mode):
+    server, fake = failover_stack.server, failover_stack.fake
+    wait_until_healthy(server.url, [fake.url, failover_stack.real.url])
+    fake.arm(mode)
+    # Images new to this server (its engine caches embeddings), so every request goes to an encoder.
+    seeds = range(50 + 6 * FAULT_MODES.index(mode), 56 + 6 * FAULT_MODES.index(mode))
+    failovers = httpx.get(server.url + "/encoders", timeout=10).json()["failovers"]
     try:
         start = time.monotonic()
-        for seed in (50, 51):  # round robin: one of the two goes to the faulty encoder first
+        for seed in seeds[:2]:  # round robin: one of the two goes to the faulty encoder first
             case = image_case([seed], "Fail over.")
             assert content(chat(server.url, case)) == expected(case)
         assert fake.calls >= 1 and time.monotonic() - start < 20
-        assert httpx.get(server.url + "/encoders", timeout=10).json()["failovers"] >= 1
+        assert httpx.get(server.url + "/encoders", timeout=10).json()["failovers"] >= failovers + 1
         # Nothing leaks across further failovers: KV slots all free again, socket/file counts flat.
         fds = [open_fds(pid) for pid in [server.proc.pid, *server.child_pids()]]
-        for seed in (52, 53, 54, 55):
+        for seed in seeds[2:]:
             assert chat(server.url, image_case([seed], "Again.")).status_code == 200
         assert metric(server.url, "kv_cache_usage_perc") == 0
         assert metric(server.url, "num_requests_running") == 0
         after = [open_fds(pid) for pid in [server.proc.pid, *server.child_pids()]]
         assert all(a <= b + 2 for a, b in zip(after, fds, strict=True)), (fds, after)
     finally:
-        assert server.stop() == 0
-        real.stop()
-        fake.close()
+        fake.released.set()
+    settled_integrity(server.url)
 
 
 def test_language_only_with_killed_encoder_gets_a_clear_error(tiny_qwen2_vl, expected, logs):
-    enc = start_encoder(tiny_qwen2_vl, log_dir=logs)
-    server = start_server(tiny_qwen2_vl, "--kv-cache-mb", "16", "--language-only", "--encode-timeout-s", "6",
-                          "--encoder-urls", enc.url, log_dir=logs)  # fmt: skip
+    server, (enc,) = start_with_encoders(
+        tiny_qwen2_vl,
+        ["--kv-cache-mb", "16", "--language-only", "--encode-timeout-s", "6"],
+        [EncoderSpec()],
+        log_dir=logs,
+    )
     try:
         case = image_case([60], "Hello.")
         assert content(chat(server.url, case)) == expected(case)
@@ -227,25 +304,38 @@ def test_language_only_with_killed_encoder_gets_a_clear_error(tiny_qwen2_vl, exp
         assert "encoder" in r.json()["error"]["message"]
         assert time.monotonic() - start < 10
         # text-only requests still work, and the server stays healthy
-        assert httpx.post(server.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2},
-                          timeout=30).status_code == 200  # fmt: skip
+        text_only = {"prompt": "hi", "max_tokens": 2}
+        assert httpx.post(server.url + "/v1/completions", json=text_only, timeout=30).status_code == 200
     finally:
         assert server.stop() == 0
         enc.stop()
 
 
-def test_no_encoder_and_no_vision_weights_is_503(tiny_qwen2_vl, logs):
-    server = start_server(tiny_qwen2_vl, "--kv-cache-mb", "16", "--language-only", log_dir=logs)
-    try:
-        r = chat(server.url, image_case([70], "Hello."))
-        assert r.status_code == 503 and "encoder" in r.json()["error"]["message"]
-    finally:
-        assert server.stop() == 0
+@pytest.fixture(scope="module")
+def loners(tiny_qwen2_vl, logs):
+    """Processes that one test each uses, started side by side when the first of them is needed:
+    "no_encoder", a language-only server without encoders; "max_pending_0", an encoder that takes no job."""
+    handles = start_together(
+        {
+            "no_encoder": lambda: start_server(
+                tiny_qwen2_vl, "--kv-cache-mb", "16", "--language-only", log_dir=logs
+            ),
+            "max_pending_0": lambda: start_encoder(tiny_qwen2_vl, "--max-pending", "0", log_dir=logs),
+        }
+    )
+    yield handles
+    assert stop_all(handles.values()) == [0, 0]
+
+
+def test_no_encoder_and_no_vision_weights_is_503(loners):
+    r = chat(loners["no_encoder"].url, image_case([70], "Hello."))
+    assert r.status_code == 503 and "encoder" in r.json()["error"]["message"]
 
 
 def test_killed_encoders_fall_back_to_local_encoding(tiny_qwen2_vl, expected, logs):
-    enc = start_encoder(tiny_qwen2_vl, log_dir=logs)
-    server = start_server(tiny_qwen2_vl, "--kv-cache-mb", "16", "--encoder-urls", enc.url, log_dir=logs)
+    server, (enc,) = start_with_encoders(
+        tiny_qwen2_vl, ["--kv-cache-mb", "16"], [EncoderSpec()], log_dir=logs
+    )
     try:
         enc.proc.kill()
         enc.proc.wait(10)
@@ -264,8 +354,7 @@ def test_registration_unregistration_and_server_restart(tiny_qwen2_vl, expected,
     url = f"http://127.0.0.1:{port}"
     secret = {ENV_VAR: "registration test secret, 16+ bytes"}
     auth = ClusterSecret(secret[ENV_VAR].encode()).headers
-    enc = start_encoder(tiny_qwen2_vl, "--register-url", url, "--register-interval-s", "0.5", log_dir=logs,
-                        env=secret)  # fmt: skip
+    register = ("--register-url", url, "--register-interval-s", "0.5")
 
     def registered(server) -> list[str]:
         listing = httpx.get(server.url + "/encoders", headers=auth, timeout=10).json()
@@ -277,9 +366,16 @@ def test_registration_unregistration_and_server_restart(tiny_qwen2_vl, expected,
             assert time.monotonic() < deadline, what
             time.sleep(0.2)
 
-    server = start_server(
-        tiny_qwen2_vl, "--kv-cache-mb", "16", "--language-only", port=port, log_dir=logs, env=secret
+    # The encoder heartbeats to the server's URL from its start: the two start side by side.
+    started = start_together(
+        {
+            "encoder": lambda: start_encoder(tiny_qwen2_vl, *register, log_dir=logs, env=secret),
+            "server": lambda: start_server(
+                tiny_qwen2_vl, "--kv-cache-mb", "16", "--language-only", port=port, log_dir=logs, env=secret
+            ),
+        }
     )
+    enc, server = started["encoder"], started["server"]
     try:
         wait_for(lambda: registered(server) == [enc.url], "encoder did not register")
         case = image_case([90], "Registered?")
@@ -330,24 +426,29 @@ def test_bad_media_over_epd_is_400_and_not_retried(epd2):
     assert httpx.get(epd2.url + "/encoders", timeout=10).json()["failovers"] == before
 
 
-def test_encoder_refuses_work_beyond_max_pending(tiny_qwen2_vl, logs):
-    enc = start_encoder(tiny_qwen2_vl, "--max-pending", "0", log_dir=logs)
-    try:
-        job = {"request_id": "r", "part_index": 0, "num_parts": 1, "reply_endpoint": "tcp://127.0.0.1:1",
-               "items": [{"item_index": 0, "modality": "image", "url": "data:,"}]}  # fmt: skip
-        r = httpx.post(enc.url + "/encode", json=job, timeout=10)
-        assert r.status_code == 503 and r.headers.get("retry-after") == "1"
-        assert metric(enc.url, "encoder_rejected_jobs_total") == 1
-    finally:
-        enc.stop()
+def test_encoder_refuses_work_beyond_max_pending(loners):
+    enc = loners["max_pending_0"]
+    job = {
+        **{"request_id": "r", "part_index": 0, "num_parts": 1, "reply_endpoint": "tcp://127.0.0.1:1"},
+        "items": [{"item_index": 0, "modality": "image", "url": "data:,"}],
+    }
+    r = httpx.post(enc.url + "/encode", json=job, timeout=10)
+    assert r.status_code == 503 and r.headers.get("retry-after") == "1"
+    assert metric(enc.url, "encoder_rejected_jobs_total") == 1
 
 
-def test_encoder_killed_mid_request_fails_over(tiny_qwen2_vl, expected, logs):
+def test_encoder_killed_mid_request_fails_over(tiny_qwen2_vl, expected, plain_encoders, logs):
     # The slow encoder holds each job in its batch window for 3 s: long enough to kill it mid-request.
-    slow = start_encoder(tiny_qwen2_vl, "--max-batch-wait-ms", "3000", log_dir=logs)
-    fast = start_encoder(tiny_qwen2_vl, log_dir=logs)
-    server = start_server(tiny_qwen2_vl, "--kv-cache-mb", "16", "--language-only", "--encode-timeout-s", "30",
-                          "--encoder-urls", slow.url, fast.url, "--encoder-routing", "round_robin", log_dir=logs)  # fmt: skip
+    fast = plain_encoders[0]
+    server, (slow,) = start_with_encoders(
+        tiny_qwen2_vl,
+        [
+            *("--kv-cache-mb", "16", "--language-only", "--encode-timeout-s", "30"),
+            *("--encoder-routing", "round_robin"),
+        ],
+        [EncoderSpec(("--max-batch-wait-ms", "3000")), fast.url],
+        log_dir=logs,
+    )
     try:
         case = image_case([140], "Killed mid-way.")
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
@@ -362,5 +463,4 @@ def test_encoder_killed_mid_request_fails_over(tiny_qwen2_vl, expected, logs):
         assert fast.url in r.json()["mmserve"]["encoded_by"]
     finally:
         assert server.stop() == 0
-        fast.stop()
         slow.stop()

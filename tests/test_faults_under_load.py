@@ -4,7 +4,6 @@ are consistent afterwards. Engine death is tests/test_engine_death.py."""
 
 from __future__ import annotations
 
-import concurrent.futures
 import os
 import re
 import signal
@@ -16,7 +15,8 @@ import pytest
 
 from mmserve.testing.load import Call, Outcome, run_closed_loop, summarize
 from mmserve.testing.probes import metric, settled_integrity
-from mmserve.testing.server_process import start_encoder, start_server
+from mmserve.testing.process_group import EncoderSpec, start_with_encoders, stop_all
+from mmserve.testing.server_process import start_server
 from tests.engine_helpers import image_case, reference_text
 
 MAX_NEW = 8
@@ -91,12 +91,17 @@ def test_encoder_hung_then_another_killed_mid_load(tiny_qwen2_vl, logs, expected
     """Phase 1: encoder A stops answering (SIGSTOP) mid-load; its jobs time out after encode_timeout_s / 3
     = 3 s and fail over to B. Phase 2: A resumes and is probed healthy again; then B is SIGKILLed mid-load
     and its jobs fail over to A. The server is language-only, so only a failover can save a request."""
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        a, b = pool.map(lambda _: start_encoder(tiny_qwen2_vl, log_dir=logs), range(2))
-    server = start_server(tiny_qwen2_vl, "--kv-cache-mb", "16", "--language-only", "--encoder-urls", a.url, b.url,
-                          "--encoder-routing", "round_robin", "--encode-timeout-s", "9",
-                          "--encoder-probe-interval-s", "0.5", "--enable-anonymous-registration",
-                          log_dir=logs)  # fmt: skip
+    server, (a, b) = start_with_encoders(
+        tiny_qwen2_vl,
+        [
+            *("--kv-cache-mb", "16", "--language-only", "--encoder-routing", "round_robin"),
+            *("--encode-timeout-s", "9", "--encoder-probe-interval-s", "0.5"),
+            "--enable-anonymous-registration",
+        ],
+        [EncoderSpec(), EncoderSpec()],
+        log_dir=logs,
+        probe_interval_s=0.5,
+    )
     try:
         outs = run_with_fault(server.url, lambda: os.kill(a.proc.pid, signal.SIGSTOP), at_request=10,
                               num_requests=24, first_seed=1000)  # fmt: skip
@@ -121,9 +126,7 @@ def test_encoder_hung_then_another_killed_mid_load(tiny_qwen2_vl, logs, expected
     finally:
         if a.proc.poll() is None:
             os.kill(a.proc.pid, signal.SIGCONT)
-        assert server.stop() == 0
-        a.stop()
-        b.stop()
+        assert stop_all([server, a, b])[0] == 0
 
 
 # -- clients leaving mid-stream while others run ---------------------------------------------------------

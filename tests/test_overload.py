@@ -8,7 +8,8 @@ import pytest
 
 from mmserve.testing.load import Call, Outcome, run_closed_loop, summarize
 from mmserve.testing.probes import metric, settled_integrity
-from mmserve.testing.server_process import start_encoder, start_server
+from mmserve.testing.process_group import EncoderSpec, start_with_encoders, stop_all
+from mmserve.testing.server_process import start_server
 from tests.engine_helpers import image_case, reference_text
 
 CAPACITY = 4  # --max-num-seqs 2 + --max-waiting-requests 2
@@ -81,9 +82,12 @@ def test_encoder_burst_beyond_max_pending_falls_back_to_local_encoding(tiny_qwen
     has vision weights: the overflow is refused with 503 by the encoder and encoded by the engine instead,
     and every answer equals the HF reference, whichever side encoded it."""
     expected = reference_text(tiny_qwen2_vl, 6)
-    enc = start_encoder(tiny_qwen2_vl, "--max-pending", "1", "--max-batch-wait-ms", "300", log_dir=logs)
-    server = start_server(tiny_qwen2_vl, "--kv-cache-mb", "16", "--encoder-urls", enc.url,
-                          "--enable-anonymous-registration", log_dir=logs)  # fmt: skip
+    server, (enc,) = start_with_encoders(
+        tiny_qwen2_vl,
+        ["--kv-cache-mb", "16", "--enable-anonymous-registration"],
+        [EncoderSpec(("--max-pending", "1", "--max-batch-wait-ms", "300"))],
+        log_dir=logs,
+    )
     try:
         n, max_new = 12, 6
         calls = [chat_call(300 + i, max_new, text="Who encoded me?") for i in range(n)]
@@ -101,5 +105,4 @@ def test_encoder_burst_beyond_max_pending_falls_back_to_local_encoding(tiny_qwen
             )
         assert settled_integrity(server.url)["in_flight"] == 0
     finally:
-        assert server.stop() == 0
-        enc.stop()
+        assert stop_all([server, enc])[0] == 0

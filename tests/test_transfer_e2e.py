@@ -17,7 +17,8 @@ import httpx
 import pytest
 
 from mmserve.testing.probes import metric, settled_integrity
-from mmserve.testing.server_process import start_encoder, start_server
+from mmserve.testing.process_group import EncoderSpec, start_with_encoders
+from mmserve.testing.server_process import ServerHandle, start_server
 from mmserve.transport.cluster_auth import ENV_VAR, ClusterSecret
 from tests.engine_helpers import audio_case, image_case, reference_text, video_case
 
@@ -51,10 +52,14 @@ def transport(url: str, stat: str) -> float:
         return 0.0
 
 
-def shm_server(model_dir: str, encoder_url: str, logs: str, *extra: str):
-    """A server sending every item to one standalone encoder over shared memory."""
-    args = ["--kv-cache-mb", "16", "--encoder-urls", encoder_url, "--encoder-transport", "shm", *extra]
-    return start_server(model_dir, *args, log_dir=logs)
+def shm_server(model_dir: str, logs: str, *extra: str) -> tuple[ServerHandle, ServerHandle]:
+    """(server, encoder): a server sending every item to one standalone encoder over shared memory, started
+    side by side."""
+    args = ["--kv-cache-mb", "16", "--encoder-transport", "shm", *extra]
+    server, (encoder,) = start_with_encoders(
+        model_dir, args, [EncoderSpec(("--shm-pool-mb", "8"))], log_dir=logs
+    )
+    return server, encoder
 
 
 def wait_for(check, what: str, timeout_s: float = 15.0) -> None:
@@ -107,8 +112,7 @@ def test_mooncake_transfer_matches_hf(arch, tiny_model, logs):
 
 def test_sigkilled_encoder_leaks_nothing_and_requests_fail_over(tiny_qwen2_vl, logs):
     before = set(os.listdir("/dev/shm"))
-    encoder = start_encoder(tiny_qwen2_vl, "--shm-pool-mb", "8", log_dir=logs)
-    server = shm_server(tiny_qwen2_vl, encoder.url, logs, "--encoder-dispatch-min-items", "2")
+    server, encoder = shm_server(tiny_qwen2_vl, logs, "--encoder-dispatch-min-items", "2")
     try:
         expected = reference_text(tiny_qwen2_vl, 48)
         # Adaptive dispatch: one item is encoded by the server's own tower, two go to the encoder.
@@ -138,8 +142,7 @@ def test_sigkilled_encoder_leaks_nothing_and_requests_fail_over(tiny_qwen2_vl, l
 
 def test_sigkilled_engine_frees_the_encoders_pool(tiny_qwen2_vl, logs):
     before = set(os.listdir("/dev/shm"))
-    encoder = start_encoder(tiny_qwen2_vl, "--shm-pool-mb", "8", log_dir=logs)
-    server = shm_server(tiny_qwen2_vl, encoder.url, logs, "--language-only")
+    server, encoder = shm_server(tiny_qwen2_vl, logs, "--language-only")
     try:
         with concurrent.futures.ThreadPoolExecutor(2) as pool:
             futures = [
