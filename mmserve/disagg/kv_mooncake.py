@@ -77,7 +77,7 @@ def _runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:
     for s, d in zip(src, dst, strict=True):
         if runs:
             s0, d0, n, step = runs[-1]
-            for candidate in ((step,) if n > 1 else (1, -1)):
+            for candidate in (step,) if n > 1 else (1, -1):
                 if s == s0 + candidate * n and d == d0 + candidate * n:
                     runs[-1] = [s0, d0, n + 1, candidate]
                     break
