@@ -151,6 +151,12 @@ def test_prefill_rendezvous_and_decode_least_loaded():
     assert not d2.selectable and registry.choose_decode({d1.url, d0.url}) is None
     registry.record_success(d2)
     assert d2.selectable and d2.strikes == 0
+    for server in (d0, d1, d2):  # every decode server fails its probes (busy with long steps, or dead)
+        registry.record_failure(server, "probe")
+        registry.record_failure(server, "probe")
+    assert registry.choose_decode(set()) is not None  # tried anyway: a connect failure is a strike and a retry
+    for server in (d0, d1, d2):
+        registry.record_success(server)
 
 
 # -- relaying -----------------------------------------------------------------------------------------

@@ -150,7 +150,12 @@ class ServerRegistry:
         return list(self._servers.values())
 
     def selectable(self, role: str) -> list[UpstreamServer]:
-        return [s for s in self._servers.values() if s.role == role and s.selectable]
+        """The healthy servers of `role`; if none is, every one whose info is known. A server too busy to answer
+        /health in time (a long prefill step holds its engine loop past the probe's timeout) still serves, and a
+        dead one fails to connect at once (a strike; the request moves on): trying beats a certain 503 for
+        every request while the only server of a role is merely busy (measured: docs/benchmarks.md, 5e)."""
+        known = [s for s in self._servers.values() if s.role == role and s.info is not None]
+        return [s for s in known if s.healthy] or known
 
     def expected_model(self, url: str | None = None) -> str | None:
         """The model every server must serve: the configured name, else that of any known server but `url`."""
