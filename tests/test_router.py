@@ -154,7 +154,9 @@ def test_prefill_rendezvous_and_decode_least_loaded():
     for server in (d0, d1, d2):  # every decode server fails its probes (busy with long steps, or dead)
         registry.record_failure(server, "probe")
         registry.record_failure(server, "probe")
-    assert registry.choose_decode(set()) is not None  # tried anyway: a connect failure is a strike and a retry
+    assert (
+        registry.choose_decode(set()) is not None
+    )  # tried anyway: a connect failure is a strike and a retry
     for server in (d0, d1, d2):
         registry.record_success(server)
 
