@@ -47,6 +47,18 @@ def stack(tiny_qwen2_vl, tmp_path_factory):
     encoder_url = f"http://127.0.0.1:{encoder_port}"
     common = ("--kv-cache-mb", "16", "--language-only")  # no tower: media can only go through an encoder
     starts = {
+        # The encoder first: the locked server's prober must find its static encoder up (a static encoder that
+        # fails its first probes is out of rotation until a later probe, seconds away).
+        "encoder": lambda: start_encoder(
+            tiny_qwen2_vl,
+            "--register-url",
+            f"http://127.0.0.1:{secured_port}",
+            f"http://127.0.0.1:{locked_port}",
+            "--register-interval-s",
+            "0.3",
+            port=encoder_port,
+            log_dir=logs,
+        ),
         "secured": lambda: start_server(
             tiny_qwen2_vl,
             *common,
@@ -68,16 +80,6 @@ def stack(tiny_qwen2_vl, tmp_path_factory):
         ),
         "anonymous": lambda: start_server(
             tiny_qwen2_vl, *common, "--enable-anonymous-registration", log_dir=logs
-        ),
-        "encoder": lambda: start_encoder(
-            tiny_qwen2_vl,
-            "--register-url",
-            f"http://127.0.0.1:{secured_port}",
-            f"http://127.0.0.1:{locked_port}",
-            "--register-interval-s",
-            "0.3",
-            port=encoder_port,
-            log_dir=logs,
         ),
     }
     # Two at a time: start-up is mostly imports, CPU-bound; more at once than cores only thrashes.
