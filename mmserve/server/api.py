@@ -311,8 +311,11 @@ def build_app(
         if mode == "decode":
             return {"adopt_timeout_s": cfg.kv_adopt_timeout_s, "request_id": params.room}
         if params.decode_bootstrap is None:
-            raise APIError(400, "kv_transfer_params.decode_bootstrap is required by a prefill server",
-                           "invalid_parameter")  # fmt: skip
+            raise APIError(
+                400,
+                "kv_transfer_params.decode_bootstrap is required by a prefill server",
+                "invalid_parameter",
+            )
         if params.backend not in client.ready.kv_backends:
             raise APIError(
                 400,
