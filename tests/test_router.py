@@ -411,7 +411,8 @@ def test_control_plane_lockdown_and_api_key(pd):
 
 # -- pipeline launcher --------------------------------------------------------------------------------
 def test_router_flags():
-    from mmserve.cli import build_parser, router_config_from_args
+    from mmserve.cli import build_parser
+    from mmserve.disagg.cli import router_config_from_args
 
     argv = "router --prefill http://a:1 http://b:2 --decode http://c:3 --port 9001 --kv-transfer-backend mooncake"
     args = build_parser().parse_args([*argv.split(), "--request-timeout-s", "30"])

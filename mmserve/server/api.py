@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import hmac
 import itertools
 import json
 import logging
@@ -25,6 +24,7 @@ from mmserve.multimodal.messages import parse_messages
 from mmserve.multimodal.precomputed import EmbedsRef
 from mmserve.server.engine_client import EngineClient
 from mmserve.server.metrics import ServerMetrics
+from mmserve.server.middleware import ApiKeyMiddleware, BodyLimitMiddleware
 from mmserve.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, usage
 from mmserve.server.serving import Generation
 from mmserve.transport import cluster_auth
@@ -46,61 +46,6 @@ _BODY_REFS, _BODY_SCHEMAS = models_json_schema(
 def _json_body(model: type) -> dict[str, Any]:
     schema = _BODY_REFS[(model, "validation")]
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
-
-
-class BodyLimitMiddleware:
-    """413 for request bodies over the limit, by Content-Length and while streaming the body."""
-
-    def __init__(self, app, max_bytes: int) -> None:
-        self.app, self.max_bytes = app, max_bytes
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        length = dict(scope["headers"]).get(b"content-length")
-        if length is not None and length.isdigit() and int(length) > self.max_bytes:
-            return await _send_error(
-                send, APIError(413, f"request body is over {self.max_bytes} bytes", "body_too_large")
-            )
-        seen = 0
-
-        async def limited_receive():
-            nonlocal seen
-            message = await receive()
-            seen += len(message.get("body", b""))
-            if seen > self.max_bytes:
-                raise APIError(413, f"request body is over {self.max_bytes} bytes", "body_too_large")
-            return message
-
-        try:
-            await self.app(scope, limited_receive, send)
-        except APIError as e:
-            await _send_error(send, e)
-
-
-class ApiKeyMiddleware:
-    """401 on /v1/* without `Authorization: Bearer KEY`. Plain ASGI, not `@app.middleware("http")`: Starlette's
-    BaseHTTPMiddleware hides the client's disconnect from the endpoint (`request.is_disconnected()` never turns
-    true), and a request whose client left must be aborted, not run to its end."""
-
-    def __init__(self, app, api_key: str, on_error) -> None:
-        self.app, self.api_key, self.on_error = app, api_key.encode(), on_error
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
-            header = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
-            token = header[7:] if header.lower().startswith("bearer ") else ""
-            if not hmac.compare_digest(token.encode(), self.api_key):
-                self.on_error(401)
-                return await _send_error(send, APIError(401, "missing or invalid API key", "invalid_api_key"))
-        return await self.app(scope, receive, send)
-
-
-async def _send_error(send, err: APIError) -> None:
-    body = json.dumps(err.body()).encode()
-    await send({"type": "http.response.start", "status": err.status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})  # fmt: skip
-    await send({"type": "http.response.body", "body": body})
 
 
 def build_app(
