@@ -177,9 +177,19 @@ class EngineConfig:
 class ServerConfig:
     """API server settings; names mirror `mmserve serve` flags."""
 
+    @property
+    def served_model_names(self) -> tuple[str, ...]:
+        return (self.served_model_name, *self.served_model_aliases)
+
     host: str = "127.0.0.1"
     port: int = 8000
     served_model_name: str = ""
+    # More names the model answers to (`--served-model-name A B C`: A is the name responses report).
+    served_model_aliases: tuple[str, ...] = ()
+    # Tool calling like vLLM's `--enable-auto-tool-choice --tool-call-parser hermes`: without the flag,
+    # `tool_choice: "auto"` is a 400 (named and "required" choices are grammar-enforced and always allowed).
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str = "hermes"
     api_key: str | None = None
     limit_mm_per_prompt: tuple[tuple[str, int], ...] = (("image", 8), ("video", 1), ("audio", 4))
     max_waiting_requests: int = 256  # beyond running + this many queued, new requests get 503
@@ -193,6 +203,7 @@ class ServerConfig:
     max_mm_embeds_bytes: int = 32 * 1024 * 1024  # per precomputed item, decoded (set from --max-media-mb)
     engine_start_timeout_s: float = 600.0
     log_level: str = "info"
+    log_stats_interval_s: float = 10.0  # the periodic one-line stats log (0: off)
     encoder_urls: tuple[str, ...] = ()  # static encoder services (EPD)
     encoder_workers: int = 0  # local encoder processes to spawn (EPD on one machine)
     encoder_routing: str = "cache_affinity"  # cache_affinity | round_robin | least_loaded

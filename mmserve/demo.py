@@ -110,7 +110,7 @@ def run_demo(model_dir: str = DEFAULT_MODEL_DIR, max_tokens: int = 16) -> bool:
             for chunk in stream:
                 if chunk.choices:
                     print(chunk.choices[0].delta.content or "", end="", flush=True)
-                    extra = (chunk.model_extra or {}).get("mmserve", extra)
+                extra = (chunk.model_extra or {}).get("mmserve", extra)  # its own chunk, after the finish
                 usage = chunk.usage or usage
             print("\n  " + _timings_line(extra, usage))
             print("  " + _path_line(route))

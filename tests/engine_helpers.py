@@ -98,6 +98,7 @@ class RecordingSampler(Sampler):
     """Records every logits row, keyed by the identity of the request's SamplingParams."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.rows: dict[int, list[torch.Tensor]] = {}
 
     def __call__(self, logits, params, generators):

@@ -162,11 +162,38 @@ def _cases() -> dict[str, Case]:
         "temperature_string": Case(const(hi(temperature="hot")), 400, "temperature"),
         "stream_list": Case(const(hi(stream=[1])), 400, "stream"),
         "stop_number": Case(const(hi(stop=5)), 400, "stop"),
-        "n_two": Case(const(hi(n=2)), 400, "n"),
+        "n_too_many": Case(const(hi(n=17)), 400, "n"),
+        "n_float": Case(const(hi(n=2.5)), 400, "n"),
+        "penalty_out_of_range": Case(const(hi(presence_penalty=2.5)), 400, "presence_penalty"),
+        "logit_bias_not_a_token": Case(const(hi(logit_bias={"five": 1})), 400, "logit_bias"),
+        "top_logprobs_without_logprobs": Case(const(hi(top_logprobs=2)), 400, "top_logprobs"),
+        "malformed_json_schema": Case(
+            const(
+                hi(
+                    response_format={
+                        "type": "json_schema",
+                        "json_schema": {"name": "x", "schema": {"type": 1}},
+                    }
+                )
+            ),
+            400,
+            "response_format.json_schema.schema",
+        ),
+        "unknown_response_format": Case(const(hi(response_format={"type": "yaml"})), 400, "response_format"),
+        "unknown_tool": Case(
+            const(
+                hi(
+                    tools=[{"type": "function", "function": {"name": "f"}}],
+                    tool_choice={"type": "function", "function": {"name": "g"}},
+                )
+            ),
+            400,
+            "unknown tool",
+        ),
         # fields this server does not implement are refused by name, never accepted and ignored
-        "unimplemented_logprobs": Case(const(hi(logprobs=True)), 400, "logprobs: not supported"),
-        "unimplemented_penalty": Case(
-            const(hi(presence_penalty=0.5)), 400, "presence_penalty: not supported"
+        "unimplemented_best_of": Case(const(hi(best_of=2)), 400, "best_of: not supported"),
+        "unimplemented_prediction": Case(
+            const(hi(prediction={"type": "content", "content": "x"})), 400, "prediction: not supported"
         ),
         "unimplemented_stream_option": Case(
             const(hi(stream=True, stream_options={"continuous_usage_stats": True})),
@@ -233,7 +260,10 @@ def _cases() -> dict[str, Case]:
         "completion_empty_prompt": Case(const({"prompt": ""}), 400, "prompt", comp),
         "completion_token_out_of_vocab": Case(const({"prompt": [10**9]}), 400, "token ids", comp),
         "completion_batch": Case(const({"prompt": ["a", "b"]}), 400, "batches are not supported", comp),
-        "completion_echo": Case(const({"prompt": "hi", "echo": True}), 400, "echo", comp),
+        "completion_echo_not_bool": Case(const({"prompt": "hi", "echo": [1]}), 400, "echo", comp),
+        "completion_logprobs_over_limit": Case(
+            const({"prompt": "hi", "logprobs": 21}), 400, "logprobs", comp
+        ),
         "completion_unknown_model": Case(const({"prompt": "hi", "model": "gpt-x"}), 404, "gpt-x", comp),
         # lengths and per-request limits
         "prompt_over_context": Case(

@@ -7,6 +7,7 @@ import base64
 import io
 import json
 import socket
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -422,7 +423,12 @@ def test_run_load_concurrency(fake_server):
     assert body["temperature"] == 0 and body["ignore_eos"] is True and body["max_tokens"] == 5
 
 
-def test_run_load_request_rate_and_warmup(fake_server, capsys):
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_run_load_request_rate_and_warmup(fake_server, capsys, monkeypatch):
     reqs = _requests(6, max_tokens=3, text="rate {i}.")
     cfg = LoadConfig(
         url=fake_server.url + "/v1/", model="m", concurrency=2, request_rate=200.0, warmup=2, timeout_s=10
@@ -431,7 +437,11 @@ def test_run_load_request_rate_and_warmup(fake_server, capsys):
     assert len(fake_server.bodies) == 8  # 2 warm-up requests, discarded
     assert len(traces) == 6 and all(t.ok and t.output_tokens == 3 for t in traces)
     assert all(b["model"] == "m" for b in fake_server.bodies)
-    assert "bench: 6/6 done" in capsys.readouterr().err
+    assert capsys.readouterr().err == ""  # stderr is not a terminal here: no progress bar
+    terminal = _Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    run(cfg, reqs)
+    assert "bench: 100%" in terminal.getvalue() and "6/6" in terminal.getvalue()
     unlimited = LoadConfig(
         url=fake_server.url, concurrency=None, request_rate=500.0, timeout_s=10, progress=False
     )

@@ -362,7 +362,8 @@ def chat(url: str, case) -> str:
 
 
 def store_metric(url: str, name: str) -> float:
-    return metric(url, f"embedding_store_{name}")
+    suffix = "" if name == "connected" or name.endswith("_total") else "_total"  # the server's counters
+    return metric(url, f"embedding_store_{name}{suffix}")
 
 
 def grew(url: str, name: str, before: float, within_s: float) -> bool:

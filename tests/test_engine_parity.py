@@ -56,9 +56,10 @@ def run_and_compare(llm: LLM, oracle, cases, check_logits: bool = True):
         assert out.token_ids == ref.token_ids
         assert out.finish_reason == "length"
         if check_logits:
-            # fp32 GEMM rounding depends on the batch shape (notes/engine-on-hf-modules.md); the tiny model's
-            # logits are large (init range 0.5), so allow 1e-5 relative on top of 1e-4 absolute.
-            torch.testing.assert_close(recorder.logits_for(p), ref.logits, atol=1e-4, rtol=1e-5)
+            # fp32 GEMM rounding depends on the batch shape (notes/engine-on-hf-modules.md) and on the CPU's
+            # kernels; the tiny model's logits are large (init range 0.5). Eight Qwen2.5-VL requests in one batch
+            # differ by up to 2.9e-4 on some machines (tokens still equal), so 5e-4 absolute, 1e-5 relative.
+            torch.testing.assert_close(recorder.logits_for(p), ref.logits, atol=5e-4, rtol=1e-5)
     return outputs
 
 

@@ -120,7 +120,7 @@ def test_malformed_and_unknown_parts_are_dropped_and_counted(epd2):
 
     def dropped():
         for line in httpx.get(epd2.url + "/metrics", timeout=10).text.splitlines():
-            if line.startswith("mmserve:embedding_parts_dropped{"):
+            if line.startswith("mmserve:embedding_parts_dropped_total{"):
                 return float(line.rsplit(" ", 1)[1])
         return 0.0
 

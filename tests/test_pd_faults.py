@@ -106,7 +106,7 @@ def test_decode_server_that_cannot_hold_a_request_refuses_it(cluster, tiny_qwen2
         for name in ("prefill", "decode"):  # both ends count the handoff and its bytes
             text = httpx.get(cluster[0][name].url + "/metrics", timeout=10).text
             assert any(
-                line.startswith("mmserve:kv_transfer_bytes") and float(line.split()[-1]) > 0
+                line.startswith("mmserve:kv_transfer_bytes_total") and float(line.split()[-1]) > 0
                 for line in text.splitlines()
             ), name
         r = chat(small.url, 300)  # prompt + 300 never fits 256 slots: refused, no other decode server

@@ -149,7 +149,7 @@ def test_models_health_and_metrics_move(client, server):
         for n in (
             "prompt_tokens_total",
             "generation_tokens_total",
-            "mm_cache_queries",
+            "mm_cache_queries_total",
             "time_to_first_token_seconds_count",
         )
     }
@@ -356,12 +356,12 @@ def test_oversize_item_gets_413_naming_the_item(strict_server):
 def test_fields_are_implemented_refused_or_ignored_with_a_warning(client, server):
     """No request field is accepted and silently ignored: an unimplemented one is a 400 naming it (through
     the official client's extra_body too); the documented ignore list is served and logged."""
-    with pytest.raises(openai.BadRequestError, match="top_logprobs: not supported"):
+    with pytest.raises(openai.BadRequestError, match="best_of: not supported"):
         client.chat.completions.create(
             model="tiny",
             messages=[{"role": "user", "content": "hi"}],
             max_tokens=2,
-            extra_body={"top_logprobs": 3},
+            extra_body={"best_of": 3},
         )
     out = client.chat.completions.create(
         model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2, user="someone"

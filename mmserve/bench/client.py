@@ -16,9 +16,10 @@ import sys
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
-from typing import Any, TextIO
+from typing import Any
 
 import httpx
+from tqdm import tqdm
 
 from mmserve.bench.workload import BenchRequest
 
@@ -73,9 +74,13 @@ class LoadConfig:
             raise ValueError(f"warmup must be >= 0, got {self.warmup}")
 
 
+def server_root(url: str) -> str:
+    """The server's root URL (where /metrics and /health are) from a base URL given with or without /v1."""
+    return url.rstrip("/").removesuffix("/v1")
+
+
 def _api_base(url: str) -> str:
-    base = url.rstrip("/")
-    return base if base.endswith("/v1") else base + "/v1"
+    return server_root(url) + "/v1"
 
 
 def _headers(cfg: LoadConfig) -> dict[str, str]:
@@ -189,25 +194,24 @@ def _error_message(body: str) -> str:
 
 
 class _Progress:
-    """A one-line "done/total" counter on stderr, rewritten in place."""
+    """A tqdm bar of requests done (and failed) on stderr; silent when stderr is not a terminal (logs, CI,
+    pipes get no carriage-return redraws) or when `enabled` is False."""
 
-    def __init__(self, total: int, label: str, enabled: bool, out: TextIO | None = None) -> None:
-        self.total, self.label, self.enabled = total, label, enabled
-        self.out = out if out is not None else sys.stderr  # looked up now: callers may redirect stderr
-        self.done = self.errors = 0
+    def __init__(self, total: int, label: str, enabled: bool) -> None:
+        # file looked up now: callers may redirect stderr
+        self.bar = tqdm(
+            total=total, desc=label, unit="req", file=sys.stderr, disable=None if enabled else True
+        )
+        self.errors = 0
 
     def update(self, trace: RequestTrace) -> None:
-        self.done += 1
-        self.errors += not trace.ok
-        if self.enabled:
-            errors = f", {self.errors} failed" if self.errors else ""
-            self.out.write(f"\r{self.label}: {self.done}/{self.total} done{errors}")
-            self.out.flush()
+        if not trace.ok:
+            self.errors += 1
+            self.bar.set_postfix(failed=self.errors, refresh=False)
+        self.bar.update(1)
 
     def close(self) -> None:
-        if self.enabled and self.total:
-            self.out.write("\n")
-            self.out.flush()
+        self.bar.close()
 
 
 def _arrival_offsets(cfg: LoadConfig, n: int) -> list[float]:

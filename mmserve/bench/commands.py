@@ -1,30 +1,62 @@
-"""`mmserve bench ...` command line: run, compare, engine, epd, transfer, kv."""
+"""`mmserve bench ...` command line: run (alias serve), compare, engine, epd, transfer, kv."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import secrets
 import shlex
 
-RUN_ALIASES = {"run", "compare", "engine", "epd", "transfer", "kv"}
+RUN_ALIASES = {"run", "serve", "compare", "engine", "epd", "transfer", "kv"}
 
 
 def _workload(args: argparse.Namespace):
     from mmserve.bench.workload import WorkloadConfig, parse_range, parse_sizes
 
     return WorkloadConfig(
-        num_requests=args.num_requests, images_per_request=parse_range(args.images_per_request),
-        image_sizes=parse_sizes(args.image_size), image_format=args.image_format, image_reuse=args.image_reuse,
-        reuse_pool_size=args.reuse_pool_size, video=args.video, video_frames=args.video_frames, prompt_tokens=args.prompt_tokens,
-        output_tokens=args.output_tokens, seed=args.seed,
-    )  # fmt: skip
+        num_requests=args.num_requests,
+        images_per_request=parse_range(args.images_per_request),
+        image_sizes=parse_sizes(args.image_size),
+        image_format=args.image_format,
+        image_reuse=args.image_reuse,
+        reuse_pool_size=args.reuse_pool_size,
+        video=args.video,
+        video_frames=args.video_frames,
+        prompt_tokens=args.prompt_tokens,
+        output_tokens=args.output_tokens,
+        seed=args.seed,
+    )
 
 
 def _load(args: argparse.Namespace, url: str):
     from mmserve.bench.client import LoadConfig
 
-    return LoadConfig(url=url, model=args.served_model, concurrency=args.concurrency, request_rate=args.request_rate,
-                      timeout_s=args.timeout_s, api_key=args.api_key, warmup=args.warmup, seed=args.seed)  # fmt: skip
+    return LoadConfig(
+        url=url,
+        model=args.served_model,
+        concurrency=args.concurrency,
+        request_rate=args.request_rate,
+        timeout_s=args.timeout_s,
+        api_key=args.api_key,
+        warmup=args.warmup,
+        seed=args.seed,
+    )
+
+
+def _choose_seed(args: argparse.Namespace) -> None:
+    """Without --seed, a fresh one: a long-lived server would otherwise serve a repeated run's images (and
+    prompts) from its caches. The seed is printed and written to --json, so the run can be repeated."""
+    if args.seed is None:
+        args.seed = secrets.randbelow(2**31)
+        print(f"workload seed {args.seed} (pass --seed {args.seed} to repeat this workload)", flush=True)
+
+
+def _parameters(args: argparse.Namespace, workload, load) -> dict:
+    """Everything that defines the run, for the --json output (never the API key)."""
+    import dataclasses
+
+    fields = {k: v for k, v in dataclasses.asdict(load).items() if k not in ("api_key", "progress")}
+    return {"workload": dataclasses.asdict(workload), "load": fields, "slo": args.slo}
 
 
 def _write_json(path: str | None, payload) -> None:
@@ -43,23 +75,27 @@ def _run(args: argparse.Namespace) -> int:
 
     if bool(args.url) == bool(args.launch is not None):
         raise SystemExit("give exactly one of --url or --launch")
+    if args.launch is not None and not args.model:
+        raise SystemExit("--launch needs --model")
+    _choose_seed(args)
     slo = stats.parse_slo(args.slo) if args.slo else None
-    requests = build_workload(_workload(args))
+    workload = _workload(args)
+    requests = build_workload(workload)
     with tempfile.TemporaryDirectory() as logs:
         server = None
         if args.launch is not None:
-            if not args.model:
-                raise SystemExit("--launch needs --model")
-            server = start_server(args.model, *shlex.split(args.launch), log_dir=logs, timeout_s=900,
-                                  served_model_name="bench")  # fmt: skip
+            server = start_server(
+                args.model, *shlex.split(args.launch), log_dir=logs, timeout_s=900, served_model_name="bench"
+            )
+        load = _load(args, args.url or server.url)
         try:
-            summary, server_side = compare.run_one(_load(args, args.url or server.url), requests, slo)
+            summary, server_side = compare.run_one(load, requests, slo, not args.no_server_metrics)
         finally:
             if server is not None:
                 server.stop()
     print(summary.table())
     print(compare.format_breakdown(server_side))
-    _write_json(args.json, compare.result_json(summary, server_side))
+    _write_json(args.json, {**compare.result_json(summary, server_side), **_parameters(args, workload, load)})
     return 0
 
 
@@ -70,10 +106,12 @@ def _compare(args: argparse.Namespace) -> int:
     for spec in args.config:
         name, _, flags = spec.partition("=")
         configs[name.strip()] = flags
+    _choose_seed(args)
     slo = stats.parse_slo(args.slo) if args.slo else None
-    results = compare.compare(args.model, configs, _workload(args), _load(args, ""), args.rounds, slo)
+    workload, load = _workload(args), _load(args, "")
+    results = compare.compare(args.model, configs, workload, load, args.rounds, slo)
     print(compare.report(results))
-    _write_json(args.json, results)
+    _write_json(args.json, {"results": results, **_parameters(args, workload, load)})
     if args.plot:
         compare.plot(results, args.plot)
         print(f"wrote {args.plot}")
@@ -83,11 +121,20 @@ def _compare(args: argparse.Namespace) -> int:
 def _engine(args: argparse.Namespace) -> int:
     from mmserve.bench import engine_bench
     from mmserve.bench.workload import parse_size
+    from mmserve.models.loader import resolve_dtype, resolve_model_path
 
+    model = resolve_model_path(args.model)
     results = engine_bench.run(
-        args.model, [int(c) for c in args.concurrency.split(",")], args.num_requests, args.hf_requests,
-        args.output_tokens, args.rounds, parse_size(args.image_size), args.dtype, args.kv_cache_mb,
-    )  # fmt: skip
+        model,
+        [int(c) for c in args.concurrency.split(",")],
+        args.num_requests,
+        args.hf_requests,
+        args.output_tokens,
+        args.rounds,
+        parse_size(args.image_size),
+        resolve_dtype(model, args.dtype),
+        args.kv_cache_mb,
+    )
     print(engine_bench.report(results))
     return 0
 
@@ -120,8 +167,20 @@ def _transfer(args: argparse.Namespace) -> int:
     return 0
 
 
+def _kv(args: argparse.Namespace) -> int:
+    from mmserve.bench import kv_bench
+    from mmserve.models.loader import resolve_dtype, resolve_model_path
+
+    model = resolve_model_path(args.model)
+    lens = [int(x) for x in args.prompt_lens.split(",")]
+    rows = kv_bench.run(model, lens, resolve_dtype(model, args.dtype), args.repeats, args.kv_cache_mb)
+    print(kv_bench.report(rows))
+    _write_json(args.json, rows)
+    return 0
+
+
 def _add_workload_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("workload (synthetic, offline, deterministic under --seed)")
+    g = p.add_argument_group("workload (synthetic, offline; reproducible under --seed)")
     g.add_argument("--num-requests", type=int, default=64)
     g.add_argument("--images-per-request", default="1", help="N or MIN-MAX")
     g.add_argument("--image-size", default="448x448", help="WxH, or a comma-separated mix")
@@ -132,7 +191,12 @@ def _add_workload_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--video-frames", type=int, default=8)
     g.add_argument("--prompt-tokens", type=int, default=32)
     g.add_argument("--output-tokens", type=int, default=64)
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument(
+        "--seed",
+        type=int,
+        default=None,
+        help="images, prompts and arrivals from this seed (default: a fresh one per run, printed and in --json)",
+    )
     g = p.add_argument_group("load")
     g.add_argument("--concurrency", type=int, default=8, help="requests in flight at most")
     g.add_argument("--request-rate", type=float, default=None, help="Poisson arrivals per second")
@@ -141,49 +205,77 @@ def _add_workload_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--api-key", default=None)
     g.add_argument("--served-model", default=None, help="model name to send (default: the server's first)")
     g.add_argument("--slo", default=None, help="goodput targets, e.g. ttft_ms=500,tpot_ms=50")
-    g.add_argument("--json", default=None, help="write the results as JSON here")
+    g.add_argument("--json", default=None, help="write the results, with every parameter and the seed, here")
 
 
-def add_bench_parser(sub) -> None:
-    p = sub.add_parser("bench", help="performance, measured side by side (default subcommand: run)")
-    bench = p.add_subparsers(dest="bench_command", required=True)
-
-    p = bench.add_parser("run", help="drive a synthetic multimodal load against one endpoint")
-    p.add_argument("--url", default=None, help="an OpenAI-compatible server, e.g. http://127.0.0.1:8000")
+def _add_run_parser(bench) -> argparse.ArgumentParser:
+    p = bench.add_parser(
+        "run",
+        aliases=["serve"],
+        help="drive a synthetic multimodal load against one OpenAI-compatible server",
+    )
+    p.add_argument(
+        "--url",
+        "--base-url",
+        default=None,
+        help="the server, e.g. http://127.0.0.1:8000 (with or without /v1)",
+    )
     p.add_argument(
         "--launch",
         default=None,
         help='or launch `mmserve serve` with these flags, e.g. "--encoder-workers 2"',
     )
     p.add_argument("--model", default=None, help="model for --launch")
+    p.add_argument(
+        "--no-server-metrics",
+        action="store_true",
+        help="skip the server-side breakdown (skipped anyway when GET /metrics has no mmserve metrics)",
+    )
     _add_workload_args(p)
     p.set_defaults(func=_run)
+    return p
+
+
+def add_bench_parser(sub) -> None:
+    from mmserve.cli_args import add_model_arg
+
+    bench_parser = sub.add_parser(
+        "bench", help="performance, measured side by side (default subcommand: run)"
+    )
+    bench = bench_parser.add_subparsers(dest="bench_command", required=True)
+    run_parser = _add_run_parser(bench)
+    # `mmserve bench --url ...` is `mmserve bench run --url ...`: its help lists run's flags too.
+    bench_parser.epilog = "`mmserve bench [run] ...`:\n\n" + run_parser.format_help()
 
     p = bench.add_parser("compare", help="the same workload against several configurations, alternating")
-    p.add_argument("--model", required=True)
-    p.add_argument("--config", action="append", required=True,
-                   help='NAME="serve flags" (repeatable; NAME hf = plain transformers one at a time)')  # fmt: skip
+    add_model_arg(p)
+    p.add_argument(
+        "--config",
+        action="append",
+        required=True,
+        help='NAME="serve flags" (repeatable; NAME hf = plain transformers one at a time)',
+    )
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--plot", default=None, help="write latency/throughput bars to this PNG")
     _add_workload_args(p)
     p.set_defaults(func=_compare)
 
     p = bench.add_parser("engine", help="in-process engine vs HF generate one request at a time")
-    p.add_argument("--model", required=True)
+    add_model_arg(p)
     p.add_argument("--concurrency", default="1,4,16", help="comma-separated engine concurrencies")
     p.add_argument("--num-requests", type=int, default=16, help="requests per engine run")
     p.add_argument("--hf-requests", type=int, default=4, help="requests per hf baseline run")
     p.add_argument("--output-tokens", type=int, default=32)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--image-size", default="224x224", help="WxH")
-    p.add_argument("--dtype", default="float32")
+    p.add_argument("--dtype", default="auto", help="as `serve --dtype`; both sides use it")
     p.add_argument("--kv-cache-mb", type=float, default=1024)
     p.set_defaults(func=_engine)
 
     p = bench.add_parser(
         "epd", help="TTFT of server configurations side by side, one light request at a time"
     )
-    p.add_argument("--model", required=True)
+    add_model_arg(p)
     p.add_argument("--config", action="append", required=True, help='NAME="serve flags"; ratios vs the first')
     p.add_argument("--rounds", type=int, default=10)
     p.add_argument("--image-size", default="448x448", help="WxH")
@@ -204,24 +296,13 @@ def add_bench_parser(sub) -> None:
     p.set_defaults(func=_transfer)
 
     p = bench.add_parser("kv", help="prefill -> decode KV handoff per backend (zmq, Mooncake) vs raw ZMQ")
-    p.add_argument("--model", required=True)
+    add_model_arg(p)
     p.add_argument("--prompt-lens", default="256,1024,4096", help="comma-separated prompt lengths (tokens)")
-    p.add_argument("--dtype", default="float32")
+    p.add_argument("--dtype", default="auto", help="as `serve --dtype`")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--kv-cache-mb", type=float, default=1024)
     p.add_argument("--json", default=None, help="write the results as JSON here")
     p.set_defaults(func=_kv)
-
-
-def _kv(args: argparse.Namespace) -> int:
-    from mmserve.bench import kv_bench
-    from mmserve.models.loader import resolve_model_path
-
-    lens = [int(x) for x in args.prompt_lens.split(",")]
-    rows = kv_bench.run(resolve_model_path(args.model), lens, args.dtype, args.repeats, args.kv_cache_mb)
-    print(kv_bench.report(rows))
-    _write_json(args.json, rows)
-    return 0
 
 
 def default_subcommand(argv: list[str]) -> list[str]:

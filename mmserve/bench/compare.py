@@ -30,12 +30,26 @@ HEADLINE = (
 )
 
 
-def run_one(load_cfg: load.LoadConfig, requests, slo: stats.SLO | None = None) -> tuple[stats.Summary, dict]:
-    """Client-side summary and server-side breakdown of one load run against `load_cfg.url`."""
-    before = server_metrics.scrape(load_cfg.url)
+def run_one(
+    load_cfg: load.LoadConfig, requests, slo: stats.SLO | None = None, scrape: bool = True
+) -> tuple[stats.Summary, dict]:
+    """Client-side summary and server-side breakdown of one load run against `load_cfg.url`. The breakdown is
+    `{"skipped": why}` without `scrape`, or when the server has no mmserve metrics (any other OpenAI server)."""
+    root = load.server_root(load_cfg.url)
+    try:
+        before = server_metrics.scrape(root) if scrape else None
+    except server_metrics.MetricsUnavailable as e:
+        before, skipped = None, str(e)
+    else:
+        skipped = None if scrape else "--no-server-metrics"
     traces, wall_s = load.run(load_cfg, requests)
-    after = server_metrics.scrape(load_cfg.url)
-    return stats.summarize(traces, wall_s, slo), server_metrics.breakdown(before, after)
+    summary = stats.summarize(traces, wall_s, slo)
+    if before is None:
+        return summary, {"skipped": skipped}
+    try:
+        return summary, server_metrics.breakdown(before, server_metrics.scrape(root))
+    except server_metrics.MetricsUnavailable as e:
+        return summary, {"skipped": f"after the run: {e}"}
 
 
 def result_json(summary: stats.Summary, server: dict | None) -> dict[str, Any]:
@@ -45,9 +59,13 @@ def result_json(summary: stats.Summary, server: dict | None) -> dict[str, Any]:
 
 
 def format_breakdown(server: dict) -> str:
+    if "skipped" in server:
+        return f"server-side breakdown: skipped ({server['skipped']}); the numbers above are the client's"
     lines = ["server-side breakdown (means over the run; None: not measured):"]
-    lines += [f"  {key:<24} {value:.4f}" if isinstance(value, float) else f"  {key:<24} {value}"
-              for key, value in server.items()]  # fmt: skip
+    lines += [
+        f"  {key:<24} {value:.4f}" if isinstance(value, float) else f"  {key:<24} {value}"
+        for key, value in server.items()
+    ]
     return "\n".join(lines)
 
 
@@ -58,8 +76,14 @@ def _value(summary: dict[str, Any], path: tuple[str, ...]) -> float | None:
     return value if isinstance(value, int | float) else None
 
 
-def compare(model_dir: str, configs: dict[str, str], workload: WorkloadConfig, load_template: load.LoadConfig,
-            rounds: int, slo: stats.SLO | None = None) -> dict[str, list[dict[str, Any]]]:  # fmt: skip
+def compare(
+    model_dir: str,
+    configs: dict[str, str],
+    workload: WorkloadConfig,
+    load_template: load.LoadConfig,
+    rounds: int,
+    slo: stats.SLO | None = None,
+) -> dict[str, list[dict[str, Any]]]:
     import shlex
 
     results: dict[str, list[dict[str, Any]]] = {name: [] for name in configs}
@@ -69,11 +93,15 @@ def compare(model_dir: str, configs: dict[str, str], workload: WorkloadConfig, l
             for name, flags in configs.items():
                 if name == "hf":
                     from mmserve.bench.hf_baseline import HFBaseline
+                    from mmserve.models.loader import resolve_dtype, resolve_model_path
 
-                    baseline = HFBaseline(model_dir)
+                    # in the dtype `mmserve serve` picks by default (--dtype auto), so both compute alike
+                    path = resolve_model_path(model_dir)
+                    baseline = HFBaseline(path, resolve_dtype(path, "auto"))
                 else:
-                    servers[name] = start_server(model_dir, *shlex.split(flags), log_dir=logs, timeout_s=900,
-                                                 served_model_name="bench")  # fmt: skip
+                    servers[name] = start_server(
+                        model_dir, *shlex.split(flags), log_dir=logs, timeout_s=900, served_model_name="bench"
+                    )
             for r in range(rounds):
                 requests = build_workload(dataclasses.replace(workload, seed=workload.seed + 1000 * r))
                 for name in configs:
@@ -86,9 +114,15 @@ def compare(model_dir: str, configs: dict[str, str], workload: WorkloadConfig, l
                         )
                         summary = result_json(*run_one(cfg, requests, slo))
                     results[name].append(summary)
-                    print(f"round {r + 1} {name:<16} " + "  ".join(
-                        f"{label} {_value(summary, path):.3f}" for label, path, _ in HEADLINE
-                        if _value(summary, path) is not None), flush=True)  # fmt: skip
+                    print(
+                        f"round {r + 1} {name:<16} "
+                        + "  ".join(
+                            f"{label} {_value(summary, path):.3f}"
+                            for label, path, _ in HEADLINE
+                            if _value(summary, path) is not None
+                        ),
+                        flush=True,
+                    )
         finally:
             for server in servers.values():
                 server.stop()
@@ -136,8 +170,12 @@ def plot(results: dict[str, list[dict[str, Any]]], path: str) -> None:
     width = 0.8 / len(names)
     for i, name in enumerate(names):
         runs = results[name]
-        vals = [statistics.median([v for v in (_value(run, ("ttft_s", q)) for run in runs) if v is not None] or [0])
-                for q in ("p50", "p90", "p99")]  # fmt: skip
+        vals = [
+            statistics.median(
+                [v for v in (_value(run, ("ttft_s", q)) for run in runs) if v is not None] or [0]
+            )
+            for q in ("p50", "p90", "p99")
+        ]
         ax_lat.bar([x + i * width for x in range(3)], vals, width, label=name)
         ax_tp.bar(i, medians(runs)["output tok/s"] or 0, label=name)
     ax_lat.set_xticks(

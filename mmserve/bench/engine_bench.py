@@ -49,8 +49,12 @@ def chat_messages(image: Image.Image) -> list[dict]:
     buf = io.BytesIO()
     image.save(buf, format="PNG")
     uri = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
-    return [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": uri}},
-                                         {"type": "text", "text": PROMPT}]}]  # fmt: skip
+    return [
+        {
+            "role": "user",
+            "content": [{"type": "image_url", "image_url": {"url": uri}}, {"type": "text", "text": PROMPT}],
+        }
+    ]
 
 
 def run_hf(ref: HFReference, images: list[Image.Image], output_tokens: int) -> RunResult:
@@ -107,16 +111,27 @@ def decode_rate(llm, images: list[Image.Image], output_tokens: int) -> float:
     return tokens / (time.perf_counter() - start)
 
 
-def run(model_dir: str, concurrencies: list[int], num_requests: int, hf_requests: int, output_tokens: int,
-        rounds: int, image_size: tuple[int, int], dtype: str, kv_cache_mb: float) -> dict[str, list[RunResult]]:  # fmt: skip
+def run(
+    model_dir: str,
+    concurrencies: list[int],
+    num_requests: int,
+    hf_requests: int,
+    output_tokens: int,
+    rounds: int,
+    image_size: tuple[int, int],
+    dtype: str,
+    kv_cache_mb: float,
+) -> dict[str, list[RunResult]]:
     from mmserve.llm import LLM
 
     ref = HFReference(model_dir, dtype=dtype)
     engines = {c: LLM(model_dir, dtype=dtype, kv_cache_mb=kv_cache_mb, max_num_seqs=c) for c in concurrencies}
     cfg = load_model_config(model_dir)
     per_token = KVPool.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, parse_dtype(dtype))
-    print(f"model {model_dir}: {cfg.num_layers} layers, {cfg.num_kv_heads} KV heads x {cfg.head_dim} dims; "
-          f"KV cache {per_token} bytes/token in {dtype}")  # fmt: skip
+    print(
+        f"model {model_dir}: {cfg.num_layers} layers, {cfg.num_kv_heads} KV heads x {cfg.head_dim} dims; "
+        f"KV cache {per_token} bytes/token in {dtype}"
+    )
     results: dict[str, list[RunResult]] = {}
     seed = 0
     for r in range(rounds):
@@ -141,8 +156,10 @@ def report(results: dict[str, list[RunResult]]) -> str:
     base = statistics.median(r.tokens_per_s for r in results["hf"])
     base_ttft = statistics.median(t for r in results["hf"] for t in r.ttft_s)
     base_decode = statistics.median(r.decode_tokens_per_s for r in results["hf"])
-    lines = ["| configuration | output tok/s, end to end | vs hf | decode tok/s | vs hf | TTFT, 1 at a time (s) | vs hf |",
-             "|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines = [
+        "| configuration | output tok/s, end to end | vs hf | decode tok/s | vs hf | TTFT, 1 at a time (s) | vs hf |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for name, runs in results.items():
         tps = statistics.median(r.tokens_per_s for r in runs)
         ttfts = [t for r in runs for t in r.ttft_s]

@@ -46,8 +46,15 @@ def ttft(url: str, image_uris: list[str], timeout_s: float = 300.0) -> float:
     raise RuntimeError("stream ended without content")
 
 
-def run(model_dir: str, configs: dict[str, list[str]], rounds: int, image_size: tuple[int, int],
-        warmup: int = 2, images: int = 1, same_images: bool = False) -> dict[str, list[float]]:  # fmt: skip
+def run(
+    model_dir: str,
+    configs: dict[str, list[str]],
+    rounds: int,
+    image_size: tuple[int, int],
+    warmup: int = 2,
+    images: int = 1,
+    same_images: bool = False,
+) -> dict[str, list[float]]:
     results: dict[str, list[float]] = {name: [] for name in configs}
     with tempfile.TemporaryDirectory() as logs:
         servers = {

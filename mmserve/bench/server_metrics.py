@@ -47,10 +47,27 @@ def listed_encoders(http: httpx.Client, url: str) -> list[dict]:
         return []
 
 
+class MetricsUnavailable(Exception):
+    """The server has no mmserve metrics to read (another OpenAI server, a router, a proxy): the bench then
+    reports client-side numbers only."""
+
+
 def scrape(url: str, timeout_s: float = 10.0) -> dict[str, dict[str, float]]:
-    """{"server": metrics, "encoders": summed metrics of every registered encoder} for a server URL."""
-    with httpx.Client(timeout=timeout_s) as http:
-        server = scrape_text(http.get(url + "/metrics").text)
+    """{"server": metrics, "encoders": summed metrics of every registered encoder} for a server's root URL.
+    Raises MetricsUnavailable (saying why) when GET /metrics fails or holds no `mmserve:` metric."""
+    with httpx.Client(timeout=timeout_s, trust_env=False) as http:
+        try:
+            resp = http.get(url + "/metrics")
+        except httpx.HTTPError as e:
+            raise MetricsUnavailable(f"GET {url}/metrics failed: {type(e).__name__}: {e}") from None
+        if resp.status_code != 200:
+            raise MetricsUnavailable(f"GET {url}/metrics answered {resp.status_code}")
+        try:
+            server = scrape_text(resp.text)
+        except ValueError as e:  # not Prometheus text
+            raise MetricsUnavailable(f"GET {url}/metrics is not Prometheus text ({e})") from None
+        if not any(name.startswith("mmserve:") for name in server):
+            raise MetricsUnavailable(f"GET {url}/metrics has no mmserve metrics")
         encoders: dict[str, float] = {}
         for enc in listed_encoders(http, url):
             try:
@@ -81,13 +98,17 @@ def breakdown(
         out[f"{label}_s_mean"] = _ratio(_delta(s0, s1, name + "_sum"), _delta(s0, s1, name + "_count"))
     transfer = "mmserve:encoder_transfer_seconds"
     out["transfer_s_mean"] = _ratio(_delta(e0, e1, transfer + "_sum"), _delta(e0, e1, transfer + "_count"))
-    out["prefix_cache_hit_rate"] = _ratio(_delta(s0, s1, "mmserve:prefix_cache_hits"),
-                                          _delta(s0, s1, "mmserve:prefix_cache_queries"))  # fmt: skip
+    out["prefix_cache_hit_rate"] = _ratio(
+        _delta(s0, s1, "mmserve:prefix_cache_hits_total"),
+        _delta(s0, s1, "mmserve:prefix_cache_queries_total"),
+    )
     # Embedding cache: the encoders' when there are any (EPD), else the engine's in-process one.
     if e1:
-        out["mm_cache_hit_rate"] = _ratio(_delta(e0, e1, "mmserve:encoder_cache_hits"),
-                                          _delta(e0, e1, "mmserve:encoder_cache_queries"))  # fmt: skip
+        out["mm_cache_hit_rate"] = _ratio(
+            _delta(e0, e1, "mmserve:encoder_cache_hits"), _delta(e0, e1, "mmserve:encoder_cache_queries")
+        )
     else:
-        out["mm_cache_hit_rate"] = _ratio(_delta(s0, s1, "mmserve:mm_cache_hits"),
-                                          _delta(s0, s1, "mmserve:mm_cache_queries"))  # fmt: skip
+        out["mm_cache_hit_rate"] = _ratio(
+            _delta(s0, s1, "mmserve:mm_cache_hits_total"), _delta(s0, s1, "mmserve:mm_cache_queries_total")
+        )
     return out

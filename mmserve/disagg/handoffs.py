@@ -81,6 +81,10 @@ class Handoffs:
             mm_items=acc.mm_items if acc else 0,
             mm_cache_hits=acc.mm_cache_hits if acc else 0,
             encoded_by=list(acc.encoded_by) if acc else [],
+            stop_reason=req.stop_reason,
+            stopped_on_token=req.stopped_on_token,
+            first_logprobs=out.logprobs,
+            prompt_logprobs=out.prompt_logprobs,
         )
         from mmserve.disagg.kv_sender import HandoffJob
 

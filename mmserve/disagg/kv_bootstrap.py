@@ -320,5 +320,9 @@ def _first_messages(room: str, state: k.HandoffState) -> list:
         state.num_cached_tokens,
         state.queue_s,
         state.prefill_s,
+        logprobs=[state.first_logprobs] if state.first_logprobs is not None else None,
+        prompt_logprobs=state.prompt_logprobs,
+        stop_reason=state.stop_reason,
+        eos=state.finish_reason == "stop" and state.stopped_on_token,
     )
     return [accepted, tokens]

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import msgspec
 
+from mmserve.engine.logprobs import TokenLogprobs
 from mmserve.engine.sampling_params import SamplingParams
 from mmserve.transport.messages import Failure, KvTarget  # noqa: F401 (KvTarget: re-exported)
 
@@ -59,6 +60,10 @@ class HandoffState(msgspec.Struct, frozen=True):
     mm_items: int
     mm_cache_hits: int
     encoded_by: list[str]
+    stop_reason: int | None = None  # the first token is a stop token id
+    stopped_on_token: bool = False  # ... or EOS: not part of the text
+    first_logprobs: TokenLogprobs | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 class Reserve(msgspec.Struct, tag="reserve"):

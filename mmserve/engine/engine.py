@@ -9,6 +9,7 @@ request produced. Single-threaded: the owner calls `add_request`, `abort` and `s
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import os
 from dataclasses import dataclass
@@ -18,9 +19,11 @@ import torch
 from mmserve.config import EngineConfig, ModelConfig
 from mmserve.engine.cache_salt import check_cache_salt
 from mmserve.engine.kv_pool import KVPool
+from mmserve.engine.logits_processors import RowState
+from mmserve.engine.logprobs import TokenLogprobs, token_logprobs
 from mmserve.engine.model_runner import ModelRunner
 from mmserve.engine.radix_cache import NoPrefixCache, RadixCache
-from mmserve.engine.request import Request
+from mmserve.engine.request import Request, choice_id
 from mmserve.engine.sampler import Sampler, make_generator
 from mmserve.engine.sampling_params import SamplingParams
 from mmserve.engine.scheduler import Scheduler, SchedulerConfig
@@ -45,8 +48,11 @@ class StepOutput:
     request_id: str
     token_id: int | None  # None when the request ended without a new token (abort)
     finish_reason: str | None  # "stop" / "length" / "abort" once finished
-    request: Request
+    request: Request  # its `group_id` / `index` name the API request and choice (n > 1)
     handoff: bool = False  # prefill server: the request is detached, its KV to be sent (mmserve.disagg)
+    logprobs: TokenLogprobs | None = None  # the token's, when the params ask for logprobs
+    # prompt_logprobs: one entry per prompt token (None for the first and for media rows), with the first token
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 def available_memory_bytes(device: torch.device) -> int:
@@ -86,8 +92,14 @@ class Engine:
             cfg.max_num_batched_tokens, cfg.max_num_seqs, self.model_config.max_model_len
         )
         self.scheduler = Scheduler(sched_cfg, self.pool, prefix_cache)
-        self.sampler = Sampler()
-        self.requests: dict[str, Request] = {}
+        # The structured-output compiler's tokenizer view takes seconds for a real vocabulary: built on a
+        # thread from the start, so neither start-up nor the first constrained request waits for all of it.
+        self._grammar = concurrent.futures.ThreadPoolExecutor(1, "grammar").submit(self._build_grammar)
+        self.sampler = Sampler(apply_masks=self._apply_grammar_masks)
+        self.requests: dict[str, Request] = {}  # by request id; n > 1: one entry per choice ("id#i")
+        self.groups: dict[str, list[Request]] = {}  # n > 1: group id -> its choices
+        # n > 1: choices that wait until the first choice's prompt is in the prefix cache (prefilled once)
+        self.held: dict[str, list[Request]] = {}
         per_token = KVPool.bytes_per_token(self.model_config.num_layers, self.model_config.num_kv_heads,
                                            self.model_config.head_dim, parse_dtype(cfg.dtype))  # fmt: skip
         logger.info(
@@ -128,10 +140,25 @@ class Engine:
         if limit is not None and prompt_len > limit:
             raise ValueError(f"prompt has {prompt_len} tokens (media expanded); this server allows "
                              f"at most {limit} (--max-prompt-tokens)")  # fmt: skip
-        if params.max_tokens is None:
-            room = min(self.model_config.max_model_len, self.pool.num_slots) - prompt_len
+        if params.max_tokens is None:  # the rest of the context, as far as the KV cache holds every choice
+            room = min(
+                self.model_config.max_model_len - prompt_len, (self.pool.num_slots - prompt_len) // params.n
+            )
             params = params.with_max_tokens(max(1, room))
         self.scheduler.check_fits(prompt_len, params.max_tokens)
+        self._check_vocab(params)
+        if params.n > 1 and prompt_len + params.n * params.max_tokens > self.pool.num_slots:
+            raise ValueError(
+                f"n={params.n} choices of up to {params.max_tokens} tokens each after a {prompt_len}-token prompt "
+                f"exceed the KV cache capacity of {self.pool.num_slots} tokens; lower n or max_tokens"
+            )
+        if params.n > 1 and handoff is not None:
+            raise ValueError("n > 1 is not supported by a prefill server of a disaggregated deployment")
+        matchers = (
+            [self.grammar().matcher(params.structured) for _ in range(params.n)]
+            if params.structured
+            else None
+        )
         positions, rope_delta = self.family.positions(expanded)
         ids = torch.tensor(expanded.token_ids, dtype=torch.int64)
         by_hash = {it.content_hash: it for it in items}
@@ -139,20 +166,87 @@ class Engine:
             PlacedEmbedding.at(ids, it.offset, it.span, it.pad_value, by_hash[it.content_hash].tensors)
             for it in expanded.items
         ]
-        req = Request(
-            request_id, expanded.token_ids, params, items=expanded.items, embeddings=embeddings,
-            positions=positions, rope_delta=rope_delta, generator=make_generator(params),
-            cache_salt=cache_salt, handoff=handoff,
-        )  # fmt: skip
-        self.scheduler.add(req)
-        self.requests[request_id] = req
-        return req
+        choices = []
+        for i in range(params.n):
+            p = params if params.n == 1 else params.for_choice(i)
+            choices.append(
+                Request(
+                    request_id if params.n == 1 else choice_id(request_id, i),
+                    expanded.token_ids,
+                    p,
+                    items=expanded.items,
+                    embeddings=embeddings,
+                    positions=positions,
+                    rope_delta=rope_delta,
+                    generator=make_generator(p),
+                    cache_salt=cache_salt,
+                    handoff=handoff,
+                    group_id=request_id,
+                    index=i,
+                    matcher=matchers[i] if matchers else None,
+                )
+            )
+        for req in choices:
+            self.requests[req.request_id] = req
+        self.scheduler.add(choices[0])
+        if params.n > 1:
+            self.groups[request_id] = choices
+            self.held[request_id] = choices[1:]
+        return choices[0]
+
+    def _check_vocab(self, params: SamplingParams) -> None:
+        vocab = self.model_config.vocab_size
+        for name, ids in (("logit_bias", params.logit_bias), ("stop_token_ids", params.stop_token_ids)):
+            bad = [t for t in ids if t >= vocab]
+            if bad:
+                raise ValueError(f"{name}: token id {bad[0]} is outside the vocabulary [0, {vocab})")
+
+    def grammar(self):
+        """The structured-output compiler (mmserve.engine.grammar) for this model's tokenizer. Raises
+        ValueError (the request's 400) if it could not be built."""
+        try:
+            return self._grammar.result()
+        except Exception as e:
+            raise ValueError(f"structured outputs are unavailable for this model: {e}") from e
+
+    def _build_grammar(self):
+        from mmserve.engine.grammar import GrammarCompiler
+        from mmserve.models.loader import load_tokenizer
+
+        tokenizer = load_tokenizer(self.cfg.model)
+        return GrammarCompiler(tokenizer, self.model_config.vocab_size, self.model_config.eos_token_ids)
+
+    @staticmethod
+    def _apply_grammar_masks(logits: torch.Tensor, matchers: list) -> None:
+        from mmserve.engine.grammar import apply_grammar_masks
+
+        apply_grammar_masks(logits, matchers)
 
     def abort(self, request_id: str, reason: str = "abort") -> None:
-        """End a request now, freeing all it holds. Unknown or finished ids are ignored."""
-        req = self.requests.pop(request_id, None)
-        if req is not None:
-            self.scheduler.finish(req, reason)
+        """End a request (all of its choices, given the group id) now, freeing all it holds. Unknown or
+        finished ids are ignored."""
+        group = self.groups.pop(request_id, None)
+        self.held.pop(request_id, None)
+        for req in group or [self.requests.get(request_id)]:
+            if req is not None and self.requests.pop(req.request_id, None) is not None:
+                self.scheduler.finish(req, reason)
+                if group is None:  # one choice of an n > 1 request (its stop string matched)
+                    self._release_held(req)
+                    self._forget(req.group_id)
+
+    def _forget(self, group_id: str) -> None:
+        """Drop a group's bookkeeping once none of its choices is left."""
+        group = self.groups.get(group_id)
+        if group is not None and all(r.request_id not in self.requests for r in group):
+            del self.groups[group_id]
+            self.held.pop(group_id, None)
+
+    def _release_held(self, req: Request) -> None:
+        """n > 1: the first choice's prompt is cached (or it ended): its siblings may be admitted now, and hit
+        the cache for all but their last prompt token."""
+        for sibling in reversed(self.held.pop(req.group_id, [])):
+            if sibling.request_id in self.requests:
+                self.scheduler.waiting.appendleft(sibling)
 
     @property
     def has_work(self) -> bool:
@@ -168,38 +262,87 @@ class Engine:
         try:
             return self._run(chunks)
         except Exception as e:
+            failed = []
             for chunk in chunks:
                 self.scheduler.fail(chunk)
-                self.requests.pop(chunk.request.request_id, None)
-            raise BatchFailed([c.request.request_id for c in chunks], e) from e
+                failed.append(chunk.request.group_id)
+                self.abort(chunk.request.group_id, "error")  # its other choices cannot complete the answer
+            raise BatchFailed(list(dict.fromkeys(failed)), e) from e
 
     def _run(self, chunks: list) -> list[StepOutput]:
-        logits = self.runner.forward(chunks, self.pool)
+        out = self.runner.forward(chunks, self.pool)
         for chunk in chunks:  # share finished prompts now, not at the end: concurrent requests reuse them
             if chunk.start < chunk.request.prompt_len <= chunk.end:
                 self.scheduler.cache_prompt(chunk.request)
+                self._release_held(chunk.request)
+        for i, logits in out.prompt_logits.items():
+            self._add_prompt_logprobs(chunks[i], logits)
         sampled_reqs = [c.request for c in chunks if c.samples]
-        tokens = self.sampler(logits, [r.params for r in sampled_reqs], [r.generator for r in sampled_reqs])
+        eos = self.model_config.eos_token_ids
+        rows = [RowState(r.params, r.prompt_token_set, r.output_ids, r.matcher, eos) for r in sampled_reqs]
+        result = self.sampler.sample(out.logits, rows, [r.generator for r in sampled_reqs])
         outputs = []
-        for req, token in zip(sampled_reqs, tokens.tolist(), strict=True):
+        for req, token, lp in zip(sampled_reqs, result.token_ids, result.logprobs, strict=True):
             req.append_output(token)
             reason = self._finish_reason(req, token)
+            first = len(req.output_ids) == 1 and req.params.prompt_logprobs is not None
+            step = StepOutput(
+                req.request_id,
+                token,
+                reason,
+                req,
+                logprobs=lp,
+                prompt_logprobs=req.prompt_logprobs if first else None,
+            )
             if req.handoff is not None:  # the decode engine continues (or just reports `reason`)
                 self.scheduler.detach(req)
                 self.requests.pop(req.request_id, None)
-                outputs.append(StepOutput(req.request_id, token, reason, req, handoff=True))
+                step.handoff = True
+                outputs.append(step)
                 continue
             if reason is not None:
                 self.scheduler.finish(req, reason)
                 self.requests.pop(req.request_id, None)
-            outputs.append(StepOutput(req.request_id, token, reason, req))
+                self._release_held(req)
+                self._forget(req.group_id)
+            outputs.append(step)
         return outputs
+
+    def _add_prompt_logprobs(self, chunk, logits: torch.Tensor) -> None:
+        """Logprobs of the prompt tokens after `chunk.start` that the chunk's rows predict (text tokens only:
+        a media row's pad value is not a token of the vocabulary)."""
+        req = chunk.request
+        if not req.prompt_logprobs:
+            req.prompt_logprobs = [None]
+        skip = len(req.prompt_logprobs) - (chunk.start + 1)  # recomputed after a retraction: known already
+        if skip >= logits.shape[0]:
+            return
+        logits = logits[max(0, skip) :]
+        first = chunk.start + 1 + max(0, skip)
+        targets = torch.tensor(req.prompt_ids[first : first + logits.shape[0]])
+        text = targets < logits.shape[1]
+        entries: list[TokenLogprobs | None] = [None] * targets.numel()
+        idx = text.nonzero().squeeze(1)
+        k = req.params.prompt_logprobs
+        for j, lp in zip(
+            idx.tolist(), token_logprobs(logits[idx], targets[idx], [k] * idx.numel()), strict=True
+        ):
+            entries[j] = lp
+        req.prompt_logprobs.extend(entries)
 
     def _finish_reason(self, req: Request, token: int) -> str | None:
         params = req.params
-        if token in params.stop_token_ids or (
-            not params.ignore_eos and token in self.model_config.eos_token_ids
-        ):
+        if req.matcher is not None:
+            req.matcher.accept(token)  # EOS too: the grammar allows it once the output is complete
+        if len(req.output_ids) > params.min_tokens:  # stop ids and EOS were masked before (min_tokens)
+            if token in params.stop_token_ids:
+                req.stop_reason, req.stopped_on_token = token, True
+                return "stop"
+            if not params.ignore_eos and token in self.model_config.eos_token_ids:
+                req.stopped_on_token = True
+                return "stop"
+        if req.matcher is not None and req.matcher.terminated:  # complete: nothing but EOS may follow
+            req.stopped_on_token = token in self.model_config.eos_token_ids
             return "stop"
         if len(req.output_ids) >= params.max_tokens or len(req.token_ids) >= self.model_config.max_model_len:
             return "length"
@@ -216,6 +359,10 @@ class Engine:
         `slots` (reserved through the scheduler) continues decoding here."""
         if req.request_id in self.requests:
             raise ValueError(f"duplicate request id {req.request_id!r}")
+        if req.params.structured is not None:  # the matcher's state is rebuilt from the tokens so far
+            req.matcher = self.grammar().matcher(req.params.structured)
+            for token in req.output_ids:
+                req.matcher.accept(token)
         self.scheduler.adopt(req, slots)
         self.requests[req.request_id] = req
 

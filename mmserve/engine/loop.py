@@ -163,9 +163,14 @@ class EngineLoop:
             if out.handoff:
                 self.handoffs.start(out)
                 continue
-            req = out.request_id
-            msg = m.TokensMsg(req, [out.token_id] if out.token_id is not None else [], out.finish_reason)
             r = out.request
+            msg = m.TokensMsg(
+                r.group_id, [out.token_id] if out.token_id is not None else [], out.finish_reason
+            )
+            msg.index, msg.stop_reason = r.index, r.stop_reason
+            msg.eos = out.finish_reason == "stop" and r.stopped_on_token
+            msg.logprobs = [out.logprobs] if out.logprobs is not None else None
+            msg.prompt_logprobs = out.prompt_logprobs
             msg.num_cached_tokens = r.num_cached_tokens
             if len(r.output_ids) == 1:  # first token: report where the time went
                 msg.queue_s = r.first_scheduled_time - r.arrival_time
@@ -174,6 +179,7 @@ class EngineLoop:
 
     def stats(self, nonce: int = 0) -> m.StatsMsg:
         e, intake = self.engine, self.intake
+        sched, pool = e.scheduler, e.pool
         cache = intake.encoder.cache.stats if intake.encoder is not None else None
         store = intake.encoder.store if intake.encoder is not None else None
         r = intake.assembler.stats
@@ -185,18 +191,32 @@ class EngineLoop:
             + intake.parts_malformed
             + sum(intake.parts_rejected.values())
         )
+        # KV usage as vLLM and SGLang report it: the slots requests hold (running, handed off, reserved for an
+        # incoming handoff), cached-prefix slots they share included. Slots only the prefix cache holds can be
+        # evicted at will and read as free, so an idle server reads 0. Those are exactly the evictable ones: a
+        # running or handed-off request locks the radix path it uses (mmserve.engine.scheduler).
+        held_slots = pool.num_used - sched.prefix_cache.evictable_tokens
         return m.StatsMsg(
-            num_running=len(e.scheduler.running), num_waiting=len(e.scheduler.waiting) + intake.num_waiting,
-            kv_cache_usage=e.pool.usage, prefix_cache_queries=e.scheduler.stats.prefix_queries_tokens,
-            prefix_cache_hits=e.scheduler.stats.prefix_hit_tokens, mm_cache_queries=cache.queries if cache else 0,
-            mm_cache_hits=cache.hits if cache else 0, encode_seconds_total=intake.encode_seconds_total, nonce=nonce,
-            parts_received=r.parts, parts_dropped=dropped, kv_slots_used=e.pool.num_used,
+            num_running=len(sched.running),
+            num_waiting=len(sched.waiting) + intake.num_waiting,
+            kv_cache_usage=held_slots / pool.num_slots,
+            prefix_cache_queries=sched.stats.prefix_queries_tokens,
+            prefix_cache_hits=sched.stats.prefix_hit_tokens,
+            mm_cache_queries=cache.queries if cache else 0,
+            mm_cache_hits=cache.hits if cache else 0,
+            encode_seconds_total=intake.encode_seconds_total,
+            nonce=nonce,
+            parts_received=r.parts,
+            parts_dropped=dropped,
+            kv_slots_used=pool.num_used,
             transfer_held_bytes=intake.held_bytes,
-            num_preemptions=e.scheduler.stats.retractions,
-            parts_forged=intake.parts_rejected["forged"], parts_replayed=intake.parts_rejected["replayed"],
+            num_preemptions=sched.stats.retractions,
+            parts_forged=intake.parts_rejected["forged"],
+            parts_replayed=intake.parts_rejected["replayed"],
             embedding_store=store.snapshot().as_dict() if store is not None else {},
+            prefix_cache_tokens=sched.prefix_cache.total_tokens,
             **self.handoffs.stats(),
-        )  # fmt: skip
+        )
 
     def run(self) -> None:
         cfg, mc = self.engine.cfg, self.engine.model_config

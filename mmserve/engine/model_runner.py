@@ -39,6 +39,12 @@ class ScheduledChunk:
         return self.end == len(self.request.token_ids)
 
 
+@dataclass
+class ForwardOutput:
+    logits: torch.Tensor  # (num_sampling_chunks, vocab) float32, in chunk order
+    prompt_logits: dict[int, torch.Tensor]  # chunk index -> (rows, vocab) predicting its next prompt tokens
+
+
 class ModelRunner:
     """Owns the language model (never a tower) and runs packed forwards over the KV pool."""
 
@@ -66,9 +72,13 @@ class ModelRunner:
         return torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
 
     @torch.no_grad()
-    def forward(self, chunks: list[ScheduledChunk], pool: KVPool) -> torch.Tensor:
-        """KV of every chunk token is written to the pool; returns logits (num_sampling_chunks, vocab) fp32."""
+    def forward(self, chunks: list[ScheduledChunk], pool: KVPool) -> ForwardOutput:
+        """KV of every chunk token is written to the pool; returns the logits (num_sampling_chunks, vocab) fp32
+        of the sampled rows, and the logits of the prompt rows of requests that want `prompt_logprobs`."""
         embeds, positions, new_slots, seqs, sample_rows = [], [], [], [], []
+        prompt_rows: list[
+            tuple[int, int, int]
+        ] = []  # (chunk index, first row, rows) predicting prompt tokens
         extra_positions: list[torch.Tensor] = []
         extra_rows: dict[str, list[torch.Tensor]] = {}
         row = 0
@@ -84,6 +94,9 @@ class ModelRunner:
             positions.append(self.positions(req, chunk.start, chunk.end))
             new_slots.append(req.slot_buffer[chunk.start : chunk.end])
             seqs.append(SeqAttention.make(row, n, req.slot_buffer[: chunk.end]))
+            if req.params.prompt_logprobs is not None and chunk.start < req.prompt_len - 1:
+                # row j predicts token start + j + 1: the rows up to the prompt's second-to-last token
+                prompt_rows.append((len(seqs) - 1, row, min(chunk.end, req.prompt_len - 1) - chunk.start))
             row += n
             if chunk.samples:
                 sample_rows.append(row - 1)
@@ -100,5 +113,6 @@ class ModelRunner:
         hidden = self.language_model(
             inputs_embeds=inputs, position_ids=pos, use_cache=False, mm_attn=meta, **kwargs
         )
-        rows_out = hidden.last_hidden_state[0, sample_rows]  # (num_samples, hidden)
-        return self.lm_head(rows_out).float()
+        last = hidden.last_hidden_state[0]
+        prompt_logits = {i: self.lm_head(last[r : r + n]).float() for i, r, n in prompt_rows}
+        return ForwardOutput(self.lm_head(last[sample_rows]).float(), prompt_logits)

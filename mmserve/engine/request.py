@@ -20,6 +20,11 @@ from mmserve.multimodal.embedding import PlacedEmbedding
 from mmserve.multimodal.items import MultimodalItem
 
 
+def choice_id(group_id: str, index: int) -> str:
+    """The engine's id of choice `index` of an n > 1 request."""
+    return f"{group_id}#{index}"
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -42,9 +47,14 @@ class Request:
     # False on a decode server: the prompt's KV came from a prefill engine and its embeddings are not here, so
     # the request cannot be recomputed after a retraction (it fails instead; admission makes that rare).
     recomputable: bool = True
+    group_id: str = ""  # n > 1: the API request this choice belongs to ("" = request_id)
+    index: int = 0  # the choice's index in its group
+    matcher: object | None = None  # structured outputs: mmserve.engine.grammar.GrammarMatcher
 
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None
+    stop_reason: int | None = None  # the stop token id that ended it (vLLM's stop_reason); None for EOS
+    stopped_on_token: bool = False  # its last token is EOS or a stop token id (not part of the text)
     output_ids: list[int] = field(default_factory=list)
     num_computed: int = 0
     num_cached_tokens: int = 0  # prompt tokens reused from the prefix cache at first admission
@@ -60,7 +70,10 @@ class Request:
 
     def __post_init__(self) -> None:
         assert self.params.max_tokens is not None, "the engine resolves max_tokens at admission"
+        self.group_id = self.group_id or self.request_id
         self.token_ids = list(self.prompt_ids)
+        self.prompt_logprobs: list = []  # prompt_logprobs: one entry per prompt token (None for the first)
+        self._prompt_set: torch.Tensor | None = None
         # Slot of every computed token; sized for the whole request so appends never reallocate.
         self.slot_buffer = torch.empty(len(self.prompt_ids) + self.params.max_tokens, dtype=torch.int64)
 
@@ -87,6 +100,13 @@ class Request:
     @property
     def finished(self) -> bool:
         return self.status == RequestStatus.FINISHED
+
+    @property
+    def prompt_token_set(self) -> torch.Tensor:
+        """The prompt's distinct token ids (repetition penalty), computed once."""
+        if self._prompt_set is None:
+            self._prompt_set = torch.unique(torch.tensor(self.prompt_ids, dtype=torch.int64))
+        return self._prompt_set
 
     def cache_key(self, n: int) -> list[int]:
         """The first `n` token ids as the prefix cache keys them (salted in the first position)."""

@@ -1,11 +1,20 @@
-"""Batched token sampling: greedy, temperature, top-k, top-p (nucleus) and min-p."""
+"""Batched token sampling: logits processing, then greedy, temperature, top-k, top-p (nucleus) and min-p.
+
+`sample` is the engine's entry: it processes the logits (mmserve.engine.logits_processors), picks a token per
+row and computes the logprobs the rows asked for from the same processed logits. `__call__` picks from logits
+that need no processing (kept for callers that only filter and draw).
+"""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
+from mmserve.engine.logits_processors import RowState, process_logits
+from mmserve.engine.logprobs import TokenLogprobs, token_logprobs
 from mmserve.engine.sampling_params import SamplingParams
 
 
@@ -20,8 +29,35 @@ def make_generator(params: SamplingParams) -> torch.Generator | None:
     return torch.Generator().manual_seed(params.seed)
 
 
+@dataclass
+class SampleResult:
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None]  # per row: None unless its params ask for logprobs
+
+
 class Sampler:
-    """Pick one token per row of a logits batch according to each row's `SamplingParams`."""
+    """Pick one token per row of a logits batch according to each row's `SamplingParams`.
+
+    `apply_masks(logits, matchers)` masks the rows of structured-output requests (mmserve.engine.grammar).
+    """
+
+    def __init__(self, apply_masks: Callable | None = None) -> None:
+        self.apply_masks = apply_masks
+
+    def sample(
+        self, logits: torch.Tensor, rows: Sequence[RowState], generators: Sequence[torch.Generator | None]
+    ) -> SampleResult:
+        processed = process_logits(logits.float(), rows, self.apply_masks)
+        params = [r.params for r in rows]
+        tokens = self(processed, params, list(generators))
+        want = [i for i, p in enumerate(params) if p.logprobs is not None]
+        logprobs: list[TokenLogprobs | None] = [None] * len(rows)
+        if want:
+            idx = torch.tensor(want)
+            computed = token_logprobs(processed[idx], tokens[idx], [params[i].logprobs for i in want])
+            for i, lp in zip(want, computed, strict=True):
+                logprobs[i] = lp
+        return SampleResult(tokens.tolist(), logprobs)
 
     def __call__(
         self,

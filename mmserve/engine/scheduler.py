@@ -118,6 +118,8 @@ class Scheduler:
     def _admit(self, req: Request, budget: int, batch: dict[str, ScheduledChunk]) -> bool:
         first_time = req.first_scheduled_time is None
         lookup = req.cache_key(len(req.token_ids) - 1)  # the last token is always computed: logits needed
+        if req.params.prompt_logprobs is not None:  # every prompt row's logits are needed: compute them all
+            lookup = []
         match = self.prefix_cache.match(lookup)
         self.prefix_cache.lock(match.handle)
         n = min(req.remaining - match.num_tokens, budget)

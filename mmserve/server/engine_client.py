@@ -137,11 +137,14 @@ class EngineClient:
             await asyncio.sleep(0.2)
         self.dead = True
         logger.error("engine process died (exit code %s)", self.proc.returncode)
-        failure = m.Failure(503, "engine_dead", "the engine process died; retry later")
-        for rid, queue in list(self._queues.items()):
-            queue.put_nowait(m.ErrorMsg(rid, failure))
+        self.fail_all(m.Failure(503, "engine_dead", "the engine process died; retry later"))
         if self.on_death is not None:
             self.on_death()
+
+    def fail_all(self, failure: m.Failure) -> None:
+        """Ends every request in flight with `failure` (engine death; server shutdown: streams end in-band)."""
+        for rid, queue in list(self._queues.items()):
+            queue.put_nowait(m.ErrorMsg(rid, failure))
 
     # -- requests -----------------------------------------------------------------------------------
     async def generate(
@@ -153,13 +156,13 @@ class EngineClient:
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[req.request_id] = queue
         finished = False
+        choices_left = req.sampling.n if isinstance(req, m.GenerateReq) else 1  # n > 1: each choice finishes
         try:
             await self.to_engine.send(self.encoder.encode(req))
             while True:
                 msg = await queue.get()
-                finished = isinstance(msg, (m.ErrorMsg, m.HandedOffMsg)) or (
-                    isinstance(msg, m.TokensMsg) and msg.finish_reason
-                )
+                choices_left -= isinstance(msg, m.TokensMsg) and msg.finish_reason is not None
+                finished = isinstance(msg, (m.ErrorMsg, m.HandedOffMsg)) or choices_left == 0
                 yield msg
                 if finished:
                     return

@@ -25,6 +25,7 @@ from mmserve.server.encoder_workers import EncoderWorkers
 from mmserve.server.engine_client import EngineClient, EngineDeadError
 from mmserve.server.parent_watch import exit_with_parent
 from mmserve.transport import cluster_auth
+from mmserve.transport import messages as m
 
 logger = logging.getLogger("mmserve.server")
 
@@ -84,6 +85,7 @@ async def serve_async(server_cfg: ServerConfig, engine_cfg: EngineConfig) -> int
     from mmserve.models.loader import load_tokenizer
     from mmserve.server.api import build_app
     from mmserve.server.metrics import ServerMetrics
+    from mmserve.server.stats_log import start_stats_log
 
     warn_about_control_plane(server_cfg)
     if server_cfg.cluster_secret is None and not _is_loopback(engine_cfg.embedding_host):
@@ -125,6 +127,13 @@ async def serve_async(server_cfg: ServerConfig, engine_cfg: EngineConfig) -> int
     print(f"mmserve: engine ready: KV cache {ready.kv_cache_tokens} tokens "
           f"({ready.kv_cache_bytes / 2**20:.1f} MB, {ready.kv_bytes_per_token} bytes/token), "
           f"max model len {ready.max_model_len}", flush=True)  # fmt: skip
+    logger.info(
+        "model %s: dtype %s, device %s, max model len %d",
+        engine_cfg.model,
+        engine_cfg.dtype,
+        engine_cfg.device,
+        ready.max_model_len,
+    )
     dispatcher = build_dispatcher(server_cfg, engine_cfg, client, ready, workers.urls)
     try:
         await workers.wait_healthy(server_cfg.engine_start_timeout_s)
@@ -138,9 +147,8 @@ async def serve_async(server_cfg: ServerConfig, engine_cfg: EngineConfig) -> int
     if dispatcher.registry.all():
         print(f"mmserve: EPD with encoders {[e.url for e in dispatcher.registry.all()]} "
               f"(routing {server_cfg.encoder_routing})", flush=True)  # fmt: skip
-    app = build_app(
-        server_cfg, client, tokenizer, family, ServerMetrics(server_cfg.served_model_name), dispatcher
-    )
+    metrics = ServerMetrics(server_cfg.served_model_name, ready.max_model_len)
+    app = build_app(server_cfg, client, tokenizer, family, metrics, dispatcher)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
@@ -148,7 +156,10 @@ async def serve_async(server_cfg: ServerConfig, engine_cfg: EngineConfig) -> int
               flush=True)  # fmt: skip
         prober = asyncio.create_task(dispatcher.probe_forever())
         orphan_watch = asyncio.create_task(exit_with_parent(lambda: setattr(server, "should_exit", True)))
+        stats_log = start_stats_log(metrics, server_cfg.log_stats_interval_s, lambda: client.stats)
         yield
+        if stats_log is not None:
+            stats_log.cancel()
         orphan_watch.cancel()
         prober.cancel()
         await dispatcher.close()
@@ -159,7 +170,7 @@ async def serve_async(server_cfg: ServerConfig, engine_cfg: EngineConfig) -> int
     app.router.lifespan_context = lifespan
     config = uvicorn.Config(app, host=server_cfg.host, port=server_cfg.port, log_level=server_cfg.log_level,
                             timeout_graceful_shutdown=5)  # fmt: skip
-    server = uvicorn.Server(config)
+    server = _Server(config, client)
     try:
         await server.serve()
     finally:
@@ -167,6 +178,20 @@ async def serve_async(server_cfg: ServerConfig, engine_cfg: EngineConfig) -> int
         if not client.dead and client.proc is not None and client.proc.poll() is None:
             await client.shutdown()
     return exit_code if server.started else max(exit_code, 1)
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, ending the generations in flight as its shutdown begins (Ctrl-C, SIGTERM): their
+    streams end at once in-band (a 503 error event, then [DONE]) instead of running on until the graceful
+    timeout cancels them mid-write, with a traceback in the log."""
+
+    def __init__(self, config: uvicorn.Config, client: EngineClient) -> None:
+        super().__init__(config)
+        self.client = client
+
+    async def shutdown(self, sockets=None) -> None:
+        self.client.fail_all(m.Failure(503, "server_shutting_down", "the server is shutting down; retry"))
+        await super().shutdown(sockets=sockets)
 
 
 def serve(server_cfg: ServerConfig, engine_cfg: EngineConfig) -> int:

@@ -1,112 +1,287 @@
-"""Prometheus metrics of the API server (vLLM-like names, `mmserve:` prefix), one registry per app.
+"""Prometheus metrics of the API server: vLLM's series under the `mmserve:` prefix, plus mmserve's own.
 
-Request-level histograms are observed here as responses complete; engine gauges and counters are copied from
-the engine's periodic StatsMsg (the engine process owns those numbers).
+A vLLM Grafana dashboard works here with `vllm:` replaced by `mmserve:` (docs/metrics.md maps each series).
+Names, types, label names (`model_name`, `engine`, `finished_reason`) and units follow vLLM
+(vllm/v1/metrics/loggers.py); prometheus_client appends `_total` to every counter.
+
+Two sources, one registry per app (tests run several servers in one process):
+- request series are observed here as responses stream and complete (`mmserve.server.serving.Generation`);
+- engine series come from the engine's periodic StatsMsg (the engine process owns those numbers): gauges are
+  set, and the engine's running totals advance counters by their increase (`EngineTotal`).
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from mmserve.encoder.embedding_store import METRIC_DOCS as STORE_METRIC_DOCS
 from mmserve.transport.messages import StatsMsg
 
-_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
-_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+if TYPE_CHECKING:
+    from mmserve.engine.sampling_params import SamplingParams
+    from mmserve.server.serving import Timings
+
+PREFIX = "mmserve:"
+LABELS = ("model_name", "engine")
+ENGINE_INDEX = "0"  # one engine per API server; vLLM labels every series with its engine's index
+
+
+def _buckets(text: str) -> tuple[float, ...]:
+    return tuple(float(x) for x in text.split())
+
+
+# vLLM's buckets, with finer ones below for small fast models (dashboards read any bucket layout).
+TTFT_BUCKETS = _buckets(
+    "0.001 0.005 0.01 0.02 0.04 0.06 0.08 0.1 0.25 0.5 0.75 1 2.5 5 7.5 10 20 40 80 160 640 2560"
+)
+TOKEN_TIME_BUCKETS = _buckets(
+    "0.001 0.0025 0.005 0.0075 0.01 0.025 0.05 0.075 0.1 0.15 0.2 0.3 0.4 0.5 0.75 1 2.5 5 7.5 10 20 40 80"
+)
+REQUEST_TIME_BUCKETS = _buckets(
+    "0.005 0.01 0.025 0.05 0.1 0.3 0.5 0.8 1 1.5 2 2.5 5 10 15 20 30 40 50 60 120 240 480 960 1920 7680"
+)
+N_BUCKETS = (1, 2, 5, 10, 20)
+
+# StatsMsg field -> (counter name without `_total`, help). Each is a total the engine counts since it started.
+ENGINE_TOTALS: dict[str, tuple[str, str]] = {
+    "prefix_cache_queries": ("prefix_cache_queries", "Prefix cache queries, in queried tokens."),
+    "prefix_cache_hits": ("prefix_cache_hits", "Prefix cache hits, in cached tokens."),
+    "mm_cache_queries": ("mm_cache_queries", "Multi-modal cache queries (the engine's encoder), in items."),
+    "mm_cache_hits": ("mm_cache_hits", "Multi-modal cache hits (the engine's encoder), in items."),
+    "num_preemptions": ("num_preemptions", "Preemptions: running requests retracted to free KV."),
+    "encode_seconds_total": ("encode_seconds", "Seconds the engine spent fetching and encoding media."),
+    "parts_received": ("embedding_parts_received", "Embedding parts received from encoders."),
+    "parts_dropped": (
+        "embedding_parts_dropped",
+        "Parts dropped: stale, unknown, invalid, malformed, forged or replayed.",
+    ),
+    "parts_forged": ("embedding_parts_forged", "Parts dropped for a missing or wrong HMAC."),
+    "parts_replayed": ("embedding_parts_replayed", "Signed parts dropped as replays or stale."),
+    # Prefill-decode disaggregation (mmserve.disagg): handoffs sent (prefill) or adopted (decode).
+    "kv_handoffs": ("kv_handoffs", "Requests handed to a decode server (prefill) or adopted (decode)."),
+    "kv_handoff_failures": ("kv_handoff_failures", "Handoffs that failed, timed out or were refused."),
+    "kv_bytes": ("kv_transfer_bytes", "KV bytes sent (prefill) or received (decode)."),
+}
+STORE_GAUGES = frozenset({"connected"})  # every other embedding store statistic is a running total
+
+
+def build_1_2_5_buckets(max_value: int) -> tuple[int, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to `max_value`: vLLM's buckets for token counts."""
+    buckets, scale = [], 1
+    while True:
+        for mantissa in (1, 2, 5):
+            if mantissa * scale > max_value:
+                return tuple(buckets)
+            buckets.append(mantissa * scale)
+        scale *= 10
+
+
+class EngineTotal:
+    """A Counter fed with a total the engine has counted since it started (StatsMsg carries absolute numbers).
+
+    The counter advances by the total's increase, rather than a custom collector exporting the engine's number
+    as is: it stays an ordinary Counter (`_total`, `_created`, readable from the registry by the stats log),
+    and it never decreases: a total that goes backwards (a new engine counting from 0 again) adds its new count
+    instead of reading as a counter reset.
+    """
+
+    def __init__(self, counter: Counter) -> None:
+        self.counter = counter
+        self.last = 0.0
+
+    def advance(self, total: float) -> None:
+        delta = total - self.last if total >= self.last else total
+        self.last = total
+        if delta > 0:
+            self.counter.inc(delta)
 
 
 class ServerMetrics:
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, max_model_len: int = 32768) -> None:
         self.registry = CollectorRegistry()
-        r, labels = self.registry, ["model_name"]
-
-        def hist(name, doc, buckets=_LATENCY_BUCKETS):
-            return Histogram(f"mmserve:{name}", doc, labels, registry=r, buckets=buckets).labels(model_name)
-
-        def gauge(name, doc):
-            return Gauge(f"mmserve:{name}", doc, labels, registry=r).labels(model_name)
-
-        self.ttft = hist("time_to_first_token_seconds", "Time to first token")
-        self.itl = hist("inter_token_latency_seconds", "Time between consecutive output tokens")
-        self.e2e = hist("e2e_request_latency_seconds", "End-to-end request latency")
-        self.queue_time = hist("request_queue_time_seconds", "Time waiting for the scheduler")
-        self.prefill_time = hist("request_prefill_time_seconds", "Scheduled to first token")
-        self.decode_time = hist("request_decode_time_seconds", "First to last token")
-        self.encode_time = hist("request_encode_time_seconds", "Media fetch + encode time per request")
-        self.prompt_tokens_hist = hist("request_prompt_tokens", "Prompt tokens per request", _TOKEN_BUCKETS)
-        self.generation_tokens_hist = hist(
-            "request_generation_tokens", "Output tokens per request", _TOKEN_BUCKETS
-        )
-        self.prompt_tokens = Counter("mmserve:prompt_tokens", "Prompt tokens (images expanded)", labels,
-                                     registry=r).labels(model_name)  # fmt: skip
-        self.generation_tokens = Counter("mmserve:generation_tokens", "Generated tokens", labels,
-                                         registry=r).labels(model_name)  # fmt: skip
-        self.requests = Counter("mmserve:request_success", "Finished requests by finish reason",
-                                labels + ["finished_reason"], registry=r)  # fmt: skip
-        self.errors = Counter("mmserve:request_errors", "Requests answered with an error, by HTTP status",
-                              labels + ["status"], registry=r)  # fmt: skip
-        self.running = gauge("num_requests_running", "Requests in the running batch")
-        self.waiting = gauge("num_requests_waiting", "Requests queued or encoding")
-        self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV slots in use (0-1)")
-        self.prefix_queries = gauge("prefix_cache_queries", "Prompt tokens looked up in the prefix cache")
-        self.prefix_hits = gauge("prefix_cache_hits", "Prompt tokens found in the prefix cache")
-        self.mm_queries = gauge("mm_cache_queries", "Multimodal item lookups in the embedding cache")
-        self.mm_hits = gauge("mm_cache_hits", "Multimodal embedding cache hits")
-        self.encode_seconds = gauge(
-            "encode_seconds_total", "Seconds the engine spent fetching and encoding media"
-        )
-        self.parts_received = gauge("embedding_parts_received", "Embedding parts received from encoders")
-        self.parts_dropped = gauge(
-            "embedding_parts_dropped", "Parts dropped: stale, unknown, invalid, malformed, forged, replayed"
-        )
-        self.preemptions = gauge(
-            "num_preemptions", "Running requests retracted to free KV (recomputed later)"
-        )
-        self.parts_forged = gauge("embedding_parts_forged", "Parts dropped for a missing or wrong HMAC")
-        self.parts_replayed = gauge("embedding_parts_replayed", "Signed parts dropped as replays or stale")
-        self.transfer_held = gauge(
-            "transfer_held_bytes", "Shared-memory / Mooncake pool bytes live requests view"
-        )
-        # Prefill-decode disaggregation (mmserve.disagg): handoffs sent (prefill) or adopted (decode).
-        self.kv_handoffs = gauge(
-            "kv_handoffs", "Requests handed to a decode server (prefill) or adopted (decode)"
-        )
-        self.kv_handoff_failures = gauge(
-            "kv_handoff_failures", "Handoffs that failed, timed out or were refused"
-        )
-        self.kv_bytes = gauge("kv_transfer_bytes", "KV bytes sent (prefill) or received (decode)")
-        self.kv_pending = gauge("kv_handoffs_pending", "Handoffs in progress (their KV slots held)")
-        # The engine's local encoder's global embedding store (--embedding-store); absent: all 0.
-        self.store = {name: gauge(f"embedding_store_{name}", doc) for name, doc in STORE_METRIC_DOCS.items()}
         self.model_name = model_name
+        self._values = (model_name, ENGINE_INDEX)
+        tokens = build_1_2_5_buckets(max_model_len)
+        hist, counter, gauge = self._hist, self._counter, self._gauge
+        # -- requests (vLLM) ---------------------------------------------------------------------------------
+        self.prompt_tokens = counter("prompt_tokens", "Number of prefill tokens processed (media expanded).")
+        self.prompt_tokens_cached = counter(
+            "prompt_tokens_cached", "Prompt tokens found in the prefix cache."
+        )
+        self.generation_tokens = counter("generation_tokens", "Number of generation tokens processed.")
+        self._success = Counter(
+            PREFIX + "request_success",
+            "Count of finished requests, by finish reason.",
+            [*LABELS, "finished_reason"],
+            registry=self.registry,
+        )
+        for reason in ("stop", "length", "error"):  # present from the start, as in vLLM
+            self._success.labels(*self._values, reason)
+        self.ttft = hist("time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS)
+        self.itl = hist(
+            "inter_token_latency_seconds", "Time between consecutive outputs.", TOKEN_TIME_BUCKETS
+        )
+        self._itl_old_name = hist(
+            "time_per_output_token_seconds",
+            "Time between consecutive outputs: vLLM's older name of inter_token_latency_seconds.",
+            TOKEN_TIME_BUCKETS,
+        )
+        self.request_tpot = hist(
+            "request_time_per_output_token_seconds",
+            "Per request: (e2e latency - time to first token) / (generation tokens - 1).",
+            TOKEN_TIME_BUCKETS,
+        )
+        self.e2e = hist("e2e_request_latency_seconds", "Arrival to the last token.", REQUEST_TIME_BUCKETS)
+        self.queue_time = hist(
+            "request_queue_time_seconds", "Time waiting for the scheduler.", REQUEST_TIME_BUCKETS
+        )
+        self.prefill_time = hist(
+            "request_prefill_time_seconds", "Scheduled to first token.", REQUEST_TIME_BUCKETS
+        )
+        self.decode_time = hist("request_decode_time_seconds", "First to last token.", REQUEST_TIME_BUCKETS)
+        self.inference_time = hist(
+            "request_inference_time_seconds",
+            "Scheduled to last token (prefill + decode).",
+            REQUEST_TIME_BUCKETS,
+        )
+        self.prompt_tokens_hist = hist("request_prompt_tokens", "Prompt tokens per request.", tokens)
+        self.generation_tokens_hist = hist("request_generation_tokens", "Output tokens per request.", tokens)
+        self.max_generation_tokens_hist = hist(
+            "request_max_num_generation_tokens", "Output tokens of the request's longest choice.", tokens
+        )
+        self.params_n = hist("request_params_n", "The n request parameter.", N_BUCKETS)
+        self.params_max_tokens = hist(
+            "request_params_max_tokens", "The max_tokens request parameter.", tokens
+        )
+        # -- requests (mmserve) ------------------------------------------------------------------------------
+        self.encode_time = hist(
+            "request_encode_time_seconds", "Media fetch + encode time per request.", REQUEST_TIME_BUCKETS
+        )
+        self._errors = Counter(
+            PREFIX + "request_errors",
+            "Requests answered with an error, by HTTP status.",
+            [*LABELS, "status"],
+            registry=self.registry,
+        )
+        # -- engine ------------------------------------------------------------------------------------------
+        self.running = gauge("num_requests_running", "Requests in the running batch.")
+        self.waiting = gauge("num_requests_waiting", "Requests queued or encoding.")
+        self.kv_usage = gauge(
+            "kv_cache_usage_perc",
+            "KV-cache usage by requests, 1 means 100 percent (cached prefixes not counted).",
+        )
+        self.prefix_cache_tokens = gauge("prefix_cache_tokens", "Tokens held by the prefix cache.")
+        self.transfer_held = gauge(
+            "transfer_held_bytes", "Shared-memory / Mooncake pool bytes live requests view."
+        )
+        self.kv_pending = gauge("kv_handoffs_pending", "Handoffs in progress (their KV slots held).")
+        self.totals = {field: EngineTotal(counter(name, doc)) for field, (name, doc) in ENGINE_TOTALS.items()}
+        # The engine's local encoder's global embedding store (--embedding-store); absent: all 0.
+        self.store_totals = {
+            name: EngineTotal(counter(f"embedding_store_{name}", doc))
+            for name, doc in STORE_METRIC_DOCS.items()
+            if name not in STORE_GAUGES
+        }
+        self.store_gauges = {
+            name: gauge(f"embedding_store_{name}", STORE_METRIC_DOCS[name]) for name in STORE_GAUGES
+        }
 
+    def _hist(self, name: str, doc: str, buckets) -> Histogram:
+        return Histogram(PREFIX + name, doc, LABELS, registry=self.registry, buckets=buckets).labels(
+            *self._values
+        )
+
+    def _counter(self, name: str, doc: str) -> Counter:
+        return Counter(PREFIX + name, doc, LABELS, registry=self.registry).labels(*self._values)
+
+    def _gauge(self, name: str, doc: str) -> Gauge:
+        return Gauge(PREFIX + name, doc, LABELS, registry=self.registry).labels(*self._values)
+
+    # -- request events (mmserve.server.serving.Generation) -----------------------------------------------
+    def record_first_token(self, timings: Timings, prompt_tokens: int, cached_tokens: int) -> None:
+        """The first output of a request: its prompt counts as processed (as in vLLM, not at the end)."""
+        self.ttft.observe(timings.ttft_s)
+        self.queue_time.observe(timings.queue_s)
+        self.prefill_time.observe(timings.prefill_s)
+        self.prompt_tokens.inc(prompt_tokens)
+        self.prompt_tokens_cached.inc(cached_tokens)
+
+    def record_output_gap(self, seconds: float) -> None:
+        """Time between two consecutive outputs of one request."""
+        self.itl.observe(seconds)
+        self._itl_old_name.observe(seconds)
+
+    def record_handoff(self, timings: Timings, prompt_tokens: int, cached_tokens: int) -> None:
+        """Prefill server: the request's prompt is prefilled and its KV reached the decode server."""
+        self.queue_time.observe(timings.queue_s)
+        self.prefill_time.observe(timings.prefill_s)
+        self.prompt_tokens.inc(prompt_tokens)
+        self.prompt_tokens_cached.inc(cached_tokens)
+        self.count_finished("handoff")
+
+    def record_finished(
+        self,
+        reason: str,
+        timings: Timings,
+        prompt_tokens: int,
+        generation_tokens: int,
+        longest_choice_tokens: int,
+        params: SamplingParams,
+    ) -> None:
+        """A request that finished (stop, length, ...): vLLM's per-request histograms and request_success.
+        `timings` holds e2e_s, and ttft_s / prefill_s / decode_s once a first token came; `generation_tokens`
+        counts every choice's tokens (n > 1), `longest_choice_tokens` the longest choice's."""
+        self.count_finished(reason)
+        self.e2e.observe(timings.e2e_s)
+        if timings.ttft_s:
+            self.decode_time.observe(timings.decode_s)
+            self.inference_time.observe(timings.prefill_s + timings.decode_s)
+            if longest_choice_tokens > 1:  # the longest choice decoded for the whole decode time
+                self.request_tpot.observe(timings.decode_s / (longest_choice_tokens - 1))
+        self.prompt_tokens_hist.observe(prompt_tokens)
+        self.generation_tokens_hist.observe(generation_tokens)
+        self.max_generation_tokens_hist.observe(longest_choice_tokens)
+        self.params_n.observe(params.n)
+        if params.max_tokens is not None:
+            self.params_max_tokens.observe(params.max_tokens)
+
+    def count_finished(self, reason: str) -> None:
+        self._success.labels(*self._values, reason).inc()
+
+    def record_error(self, status: int) -> None:
+        self._errors.labels(*self._values, str(status)).inc()
+
+    # -- engine ---------------------------------------------------------------------------------------------
     def update_engine(self, stats: StatsMsg | None) -> None:
+        """Copy the engine's latest StatsMsg (None: none yet). Call from one thread (the event loop)."""
         if stats is None:
             return
         self.running.set(stats.num_running)
         self.waiting.set(stats.num_waiting)
         self.kv_usage.set(stats.kv_cache_usage)
-        self.prefix_queries.set(stats.prefix_cache_queries)
-        self.prefix_hits.set(stats.prefix_cache_hits)
-        self.mm_queries.set(stats.mm_cache_queries)
-        self.mm_hits.set(stats.mm_cache_hits)
-        self.encode_seconds.set(stats.encode_seconds_total)
-        self.parts_received.set(stats.parts_received)
-        self.parts_dropped.set(stats.parts_dropped)
-        self.parts_forged.set(stats.parts_forged)
-        self.preemptions.set(stats.num_preemptions)
-        self.parts_replayed.set(stats.parts_replayed)
+        self.prefix_cache_tokens.set(stats.prefix_cache_tokens)
         self.transfer_held.set(stats.transfer_held_bytes)
-        self.kv_handoffs.set(stats.kv_handoffs)
-        self.kv_handoff_failures.set(stats.kv_handoff_failures)
-        self.kv_bytes.set(stats.kv_bytes)
         self.kv_pending.set(stats.kv_pending)
+        for field, total in self.totals.items():
+            total.advance(getattr(stats, field))
         for name, value in stats.embedding_store.items():
-            if name in self.store:
-                self.store[name].set(value)
+            if name in self.store_totals:
+                self.store_totals[name].advance(value)
+            elif name in self.store_gauges:
+                self.store_gauges[name].set(value)
 
-    def record_error(self, status: int) -> None:
-        self.errors.labels(self.model_name, str(status)).inc()
+    def values(self, *names: str) -> dict[str, float]:
+        """Current values of samples of this registry by name without the prefix (e.g. "prompt_tokens_total"),
+        each summed over its label values; 0 for a name with no sample."""
+        wanted = {PREFIX + n: n for n in names}
+        out = dict.fromkeys(names, 0.0)
+        for family in self.registry.collect():
+            for sample in family.samples:
+                if sample.name in wanted:
+                    out[wanted[sample.name]] += sample.value
+        return out
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

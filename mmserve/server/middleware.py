@@ -43,16 +43,22 @@ class BodyLimitMiddleware:
             await _send_error(send, e)
 
 
+# Paths besides /v1/* that need the API key: they do work on a user's input (/tokenize fetches and decodes
+# media). Health, metrics and /version stay open to probes; the control plane has its own cluster token.
+API_KEY_PATHS = frozenset({"/tokenize", "/detokenize"})
+
+
 class ApiKeyMiddleware:
-    """401 on /v1/* without `Authorization: Bearer KEY`. Plain ASGI, not `@app.middleware("http")`: Starlette's
-    BaseHTTPMiddleware hides the client's disconnect from the endpoint (`request.is_disconnected()` never turns
-    true), and a request whose client left must be aborted, not run to its end."""
+    """401 on /v1/* and API_KEY_PATHS without `Authorization: Bearer KEY`. Plain ASGI, not
+    `@app.middleware("http")`: Starlette's BaseHTTPMiddleware hides the client's disconnect from the endpoint,
+    and a request whose client left must be aborted, not run to its end."""
 
     def __init__(self, app, api_key: str, on_error) -> None:
         self.app, self.api_key, self.on_error = app, api_key.encode(), on_error
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+        path = scope.get("path", "") if scope["type"] == "http" else ""
+        if path.startswith("/v1") or path in API_KEY_PATHS:
             header = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
             token = header[7:] if header.lower().startswith("bearer ") else ""
             if not hmac.compare_digest(token.encode(), self.api_key):

@@ -6,12 +6,20 @@ with the HTTP status, OpenAI error type and a message naming the parameter.
 
 from __future__ import annotations
 
+import json
+import re
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, field_validator
 
 from mmserve.engine.cache_salt import MAX_CACHE_SALT_CHARS, check_cache_salt
-from mmserve.engine.sampling_params import SamplingParams
+from mmserve.engine.sampling_params import (
+    MAX_LOGPROBS,
+    MAX_N,
+    MAX_REPETITION_PENALTY,
+    SamplingParams,
+    StructuredOutputs,
+)
 
 
 class APIError(Exception):
@@ -68,10 +76,42 @@ class KvTransferParams(BaseModel):
     backend: Literal["zmq", "mooncake"] = "zmq"
 
 
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(default="response", max_length=64)
+    description: str | None = None
+    # `schema` shadows a BaseModel attribute: stored as schema_ and read and written as "schema" in JSON.
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsField(BaseModel):
+    """vLLM's `structured_outputs` extra (one constraint)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[StrictStr] | None = Field(default=None, min_length=1)
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
+Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
+
+
 class _SamplingFields(BaseModel):
     # A field this server does not implement is a 400 naming it ("extra_forbidden"), never accepted and
     # ignored; the few that cannot change the output are declared below (IGNORED_FIELDS) and logged.
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
@@ -84,7 +124,20 @@ class _SamplingFields(BaseModel):
     stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
-    n: int = Field(default=1, ge=1, le=1)
+    include_stop_str_in_output: bool = False
+    n: int = Field(default=1, ge=1, le=MAX_N)
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    repetition_penalty: float | None = Field(default=None, gt=0.0, le=MAX_REPETITION_PENALTY)
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
+    min_tokens: int = Field(default=0, ge=0)
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)  # vLLM's extra
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsField | None = None  # vLLM's extras, old and new spelling
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[StrictStr] | None = Field(default=None, min_length=1)
+    guided_grammar: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     # Tenant scope of the prefix and embedding caches (vLLM's field): equal salts share hits, others never.
@@ -106,20 +159,51 @@ class _SamplingFields(BaseModel):
         """The fields of IGNORED_FIELDS this request set."""
         return [name for name in IGNORED_FIELDS if getattr(self, name) is not None]
 
-    def sampling_params(self) -> SamplingParams:
+    def sampling_params(self, structured: StructuredOutputs | None = None) -> SamplingParams:
         """Validated sampling settings; max_tokens None means the rest of the context (the engine resolves
-        it)."""
+        it). `structured` (tool calls) overrides the request's own constraint."""
         stop = [self.stop] if isinstance(self.stop, str) else self.stop
         try:
             return SamplingParams(
                 max_tokens=self.requested_max_tokens,
                 temperature=1.0 if self.temperature is None else self.temperature,
-                top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k or 0,
-                min_p=self.min_p or 0.0, seed=self.seed, stop=stop or None, stop_token_ids=self.stop_token_ids,
-                ignore_eos=self.ignore_eos, skip_special_tokens=self.skip_special_tokens,
-            )  # fmt: skip
+                top_p=1.0 if self.top_p is None else self.top_p,
+                top_k=self.top_k or 0,
+                min_p=self.min_p or 0.0,
+                seed=self.seed,
+                stop=stop or None,
+                stop_token_ids=self.stop_token_ids,
+                ignore_eos=self.ignore_eos,
+                skip_special_tokens=self.skip_special_tokens,
+                include_stop_str_in_output=self.include_stop_str_in_output,
+                n=self.n,
+                presence_penalty=self.presence_penalty or 0.0,
+                frequency_penalty=self.frequency_penalty or 0.0,
+                repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+                logit_bias=self._logit_bias(),
+                min_tokens=self.min_tokens,
+                logprobs=self.requested_logprobs,
+                prompt_logprobs=self.requested_prompt_logprobs,
+                structured=structured or structured_of(self),
+            )
         except ValueError as e:
             raise APIError(400, str(e), "invalid_parameter") from e
+
+    def _logit_bias(self) -> dict[int, float]:
+        bias = {}
+        for key, value in (self.logit_bias or {}).items():
+            try:
+                token = int(key)
+            except ValueError:
+                token = -1
+            if token < 0 or str(token) != key.strip():
+                raise APIError(400, f"logit_bias: keys must be token ids, got {key!r}", "invalid_parameter")
+            bias[token] = value
+        return bias
+
+    @property
+    def requested_prompt_logprobs(self) -> int | None:
+        return self.prompt_logprobs
 
     @property
     def include_usage(self) -> bool:
@@ -129,19 +213,120 @@ class _SamplingFields(BaseModel):
 class ChatCompletionRequest(_SamplingFields):
     messages: list[dict[str, Any]] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
 
     @property
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
+    @property
+    def requested_logprobs(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError(400, "top_logprobs: requires logprobs to be true", "invalid_parameter")
+        return (self.top_logprobs or 0) if self.logprobs else None
+
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[StrictInt] | list[str] = Field(min_length=1)  # strict: `true` is not token id 1
-    echo: Literal[False] = False
+    echo: bool = False  # the prompt is prepended to the text (and its logprobs to the logprobs)
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
 
     @property
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
+
+    @property
+    def requested_logprobs(self) -> int | None:
+        return self.logprobs
+
+    @property
+    def requested_prompt_logprobs(self) -> int | None:
+        # echo with logprobs reports the prompt's logprobs too (what lm-eval's loglikelihood requests read)
+        if self.echo and self.logprobs is not None:
+            return max(self.logprobs, self.prompt_logprobs or 0)
+        return self.prompt_logprobs
+
+
+def structured_of(body: _SamplingFields) -> StructuredOutputs | None:
+    """The request's output constraint, from whichever spelling it used; more than one is a 400."""
+    found: list[tuple[str, StructuredOutputs]] = []
+
+    def schema_text(where: str, schema: dict[str, Any] | str) -> str:
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except json.JSONDecodeError as e:
+                raise APIError(400, f"{where}: not valid JSON: {e}", "invalid_parameter") from e
+        check_json_schema(where, schema)
+        return json.dumps(schema)
+
+    rf = body.response_format
+    if rf is not None and rf.type == "json_object":
+        found.append(("response_format", StructuredOutputs(json_object=True)))
+    elif rf is not None and rf.type == "json_schema":
+        if rf.json_schema is None:
+            raise APIError(
+                400, "response_format.json_schema: required for type json_schema", "invalid_parameter"
+            )
+        schema = schema_text("response_format.json_schema.schema", rf.json_schema.schema_)
+        found.append(("response_format", StructuredOutputs(json=schema)))
+    if body.guided_json is not None:
+        found.append(("guided_json", StructuredOutputs(json=schema_text("guided_json", body.guided_json))))
+    if body.guided_regex is not None:
+        found.append(
+            ("guided_regex", StructuredOutputs(regex=check_regex("guided_regex", body.guided_regex)))
+        )
+    if body.guided_choice is not None:
+        found.append(("guided_choice", StructuredOutputs(choice=tuple(body.guided_choice))))
+    if body.guided_grammar is not None:
+        found.append(("guided_grammar", StructuredOutputs(grammar=body.guided_grammar)))
+    so = body.structured_outputs
+    if so is not None:
+        set_ = {k: v for k, v in so.model_dump(by_alias=True).items() if v not in (None, False)}
+        if len(set_) != 1:
+            raise APIError(
+                400,
+                "structured_outputs: set exactly one of json, regex, choice, grammar, json_object",
+                "invalid_parameter",
+            )
+        key, value = next(iter(set_.items()))
+        where = f"structured_outputs.{key}"
+        spec = {
+            "json": lambda: StructuredOutputs(json=schema_text(where, value)),
+            "regex": lambda: StructuredOutputs(regex=check_regex(where, value)),
+            "choice": lambda: StructuredOutputs(choice=tuple(value)),
+            "grammar": lambda: StructuredOutputs(grammar=value),
+            "json_object": lambda: StructuredOutputs(json_object=True),
+        }[key]()
+        found.append(("structured_outputs", spec))
+    if len(found) > 1:
+        names = ", ".join(name for name, _ in found)
+        raise APIError(400, f"{names}: at most one output constraint per request", "invalid_parameter")
+    return found[0][1] if found else None
+
+
+def check_json_schema(where: str, schema: Any) -> None:
+    """400 naming `where` unless `schema` is a JSON schema (draft 2020-12 meta-schema)."""
+    import jsonschema
+
+    if not isinstance(schema, dict):
+        raise APIError(400, f"{where}: a JSON schema must be an object", "invalid_parameter")
+    try:
+        jsonschema.Draft202012Validator.check_schema(schema)
+    except jsonschema.SchemaError as e:
+        raise APIError(400, f"{where}: invalid JSON schema: {e.message}", "invalid_parameter") from e
+
+
+def check_regex(where: str, pattern: str) -> str:
+    try:
+        re.compile(pattern)
+    except re.error as e:
+        raise APIError(400, f"{where}: invalid regular expression: {e}", "invalid_parameter") from e
+    return pattern
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:

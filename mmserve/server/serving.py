@@ -13,6 +13,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from mmserve.engine.detokenizer import IncrementalDetokenizer
+from mmserve.engine.logprobs import TokenLogprobs
+from mmserve.engine.request import choice_id
 from mmserve.engine.sampling_params import SamplingParams
 from mmserve.multimodal.precomputed import to_encode
 from mmserve.server.engine_client import EngineClient, EngineDeadError
@@ -32,6 +34,43 @@ class Timings:
 
     def as_dict(self) -> dict[str, float]:
         return {k: round(v, 6) for k, v in self.__dict__.items()}
+
+
+@dataclass
+class ChoiceDelta:
+    """What one choice produced in one engine message."""
+
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs]  # parallel to token_ids when the request asked for logprobs
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended the choice
+    index: int = 0
+
+
+@dataclass
+class _Choice:
+    detok: IncrementalDetokenizer
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    def take(self, msg: m.TokensMsg) -> ChoiceDelta:
+        """Detokenize one message's tokens; a stop string or a finish ends the choice."""
+        texts, ids, logprobs = [], [], []
+        for k, token in enumerate(msg.token_ids):
+            if msg.eos and k == len(msg.token_ids) - 1:
+                break  # the engine stopped on EOS or a stop token id: not part of the text
+            ids.append(token)
+            if msg.logprobs is not None:
+                logprobs.append(msg.logprobs[k])
+            texts.append(self.detok.add(token))
+            if self.detok.stopped:
+                self.finish_reason, self.stop_reason = "stop", self.detok.matched_stop
+                return ChoiceDelta("".join(texts), ids, logprobs, "stop", self.stop_reason)
+        if msg.finish_reason is not None:
+            self.finish_reason, self.stop_reason = msg.finish_reason, msg.stop_reason
+            texts.append(self.detok.finish())
+        return ChoiceDelta("".join(texts), ids, logprobs, self.finish_reason, self.stop_reason)
 
 
 @dataclass
@@ -56,6 +95,8 @@ class Generation:
     mm_cache_hits: int = 0  # found by the engine's local encoder
     encoded_by: list[str] = field(default_factory=list)
     timings: Timings = field(default_factory=Timings)
+    choices: dict[int, _Choice] = field(default_factory=dict)
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # when the params ask for them
 
     async def start(self) -> None:
         """Send the request and wait until the engine accepted it. Raises APIError."""
@@ -103,15 +144,13 @@ class Generation:
         finally:
             await self._stream.aclose()
         if isinstance(msg, m.ErrorMsg):
-            self.metrics.requests.labels(self.metrics.model_name, "error").inc()
+            self.metrics.count_finished("error")
             raise APIError.of(msg.failure)
         assert isinstance(msg, m.HandedOffMsg), msg
         self.cached_tokens = msg.num_cached_tokens
         self.timings.queue_s, self.timings.prefill_s = msg.queue_s, msg.prefill_s
         self.timings.ttft_s = self.timings.e2e_s = time.perf_counter() - self.start_time
-        self.metrics.queue_time.observe(msg.queue_s)
-        self.metrics.prefill_time.observe(msg.prefill_s)
-        self.metrics.requests.labels(self.metrics.model_name, "handoff").inc()
+        self.metrics.record_handoff(self.timings, self.prompt_tokens, msg.num_cached_tokens)
         return msg
 
     def _plan_parts(self) -> list:
@@ -131,9 +170,22 @@ class Generation:
                        "encoder_unavailable", headers={"Retry-After": "1"})  # fmt: skip
 
     async def deltas(self) -> AsyncIterator[str]:
-        """Text deltas until the request finishes; sets finish_reason and usage. Raises APIError (engine death)."""
-        detok = IncrementalDetokenizer(self.tokenizer, self.params, self.prompt_token_ids)
-        last_token_time = None
+        """Text deltas of a one-choice request (see `events`)."""
+        async for event in self.events():
+            if event.text:
+                yield event.text
+
+    async def events(self) -> AsyncIterator[ChoiceDelta]:
+        """What each choice produced, message by message, until every choice finished; sets each choice's
+        finish and stop reasons and the usage. Raises APIError (engine death)."""
+        choices = {
+            i: _Choice(IncrementalDetokenizer(self.tokenizer, self.params, self.prompt_token_ids))
+            for i in range(self.params.n)
+        }
+        self.choices = choices
+        open_choices = set(choices)
+        last_token_time: dict[int, float] = {}  # per choice, for the inter-token latency
+        choice_tokens = dict.fromkeys(choices, 0)  # per choice, for the longest choice's length
         try:
             async for msg in self._stream:
                 if isinstance(msg, m.ErrorMsg):
@@ -144,47 +196,48 @@ class Generation:
                 if self.completion_tokens == 0 and msg.token_ids:
                     self.timings.ttft_s = now - self.start_time
                     self.timings.queue_s, self.timings.prefill_s = msg.queue_s, msg.prefill_s
-                    self.metrics.ttft.observe(self.timings.ttft_s)
-                    self.metrics.queue_time.observe(msg.queue_s)
-                    self.metrics.prefill_time.observe(msg.prefill_s)
-                elif last_token_time is not None and msg.token_ids:
-                    self.metrics.itl.observe(now - last_token_time)
-                last_token_time = now
+                    self.metrics.record_first_token(self.timings, self.prompt_tokens, msg.num_cached_tokens)
+                elif msg.index in last_token_time and msg.token_ids:
+                    self.metrics.record_output_gap(now - last_token_time[msg.index])
+                last_token_time[msg.index] = now
                 self.cached_tokens = msg.num_cached_tokens
-                for token in msg.token_ids:
-                    self.completion_tokens += 1
-                    if msg.finish_reason == "stop":
-                        break  # the engine stopped on EOS or a stop token id: not part of the text
-                    delta = detok.add(token)
-                    if delta:
-                        yield delta
-                    if detok.stopped:
-                        self.finish_reason = "stop"
-                        return  # closing the engine stream aborts the request there
-                if msg.finish_reason is not None:
-                    self.finish_reason = msg.finish_reason
-                    tail = detok.finish()
-                    if tail:
-                        yield tail
-                    return
+                if msg.prompt_logprobs is not None:
+                    self.prompt_logprobs = msg.prompt_logprobs
+                choice = choices.get(msg.index)
+                if choice is None or msg.index not in open_choices:
+                    continue  # a choice this server already ended (its stop string matched)
+                event = choice.take(msg)
+                self.completion_tokens += len(msg.token_ids)
+                self.metrics.generation_tokens.inc(len(msg.token_ids))  # as produced, as in vLLM
+                choice_tokens[msg.index] += len(msg.token_ids)
+                if event.finish_reason is not None:
+                    open_choices.discard(msg.index)
+                    if choice.detok.stopped and msg.finish_reason is None and open_choices:
+                        # one choice of several hit its stop string: end it in the engine, the rest go on
+                        await self.client.abort(choice_id(self.request_id, msg.index))
+                event.index = msg.index
+                yield event
+                if not open_choices:
+                    return  # closing the engine stream aborts what is left there
         finally:
             await self._stream.aclose()
-            self._record()
+            self.finish_reason = choices[0].finish_reason if choices else None
+            self._record(max(choice_tokens.values(), default=0))
 
-    def _record(self) -> None:
+    def _record(self, longest_choice_tokens: int) -> None:
         now = time.perf_counter()
         self.timings.e2e_s = now - self.start_time
         if self.timings.ttft_s:
             self.timings.decode_s = max(0.0, self.timings.e2e_s - self.timings.ttft_s)
-            self.metrics.decode_time.observe(self.timings.decode_s)
-        if self.finish_reason is None:
-            return
-        self.metrics.e2e.observe(self.timings.e2e_s)
-        self.metrics.prompt_tokens.inc(self.prompt_tokens)
-        self.metrics.generation_tokens.inc(self.completion_tokens)
-        self.metrics.prompt_tokens_hist.observe(self.prompt_tokens)
-        self.metrics.generation_tokens_hist.observe(self.completion_tokens)
-        self.metrics.requests.labels(self.metrics.model_name, self.finish_reason).inc()
+        if self.finish_reason is not None:
+            self.metrics.record_finished(
+                self.finish_reason,
+                self.timings,
+                self.prompt_tokens,
+                self.completion_tokens,
+                longest_choice_tokens,
+                self.params,
+            )
 
     def extra(self) -> dict:
         """Non-standard response field with per-request timings (the OpenAI SDK keeps unknown fields).

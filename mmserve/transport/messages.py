@@ -10,9 +10,10 @@ from typing import Any
 
 import msgspec
 
+from mmserve.engine.logprobs import TokenLogprobs
 from mmserve.engine.sampling_params import SamplingParams
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 
 
 class Failure(msgspec.Struct, frozen=True):
@@ -144,6 +145,11 @@ class TokensMsg(msgspec.Struct, tag="tokens"):
     num_cached_tokens: int = 0
     queue_s: float = 0.0  # set on the first message of a request
     prefill_s: float = 0.0
+    index: int = 0  # the choice (n > 1)
+    logprobs: list[TokenLogprobs] | None = None  # one per token id, when the params ask for logprobs
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # on the first message, when asked for
+    stop_reason: int | None = None  # the stop token id that ended the choice
+    eos: bool = False  # the last token is EOS or a stop token id: not part of the text
 
 
 class HandedOffMsg(msgspec.Struct, tag="handed_off"):
@@ -190,6 +196,7 @@ class StatsMsg(msgspec.Struct, tag="stats"):
     kv_bytes: int = 0  # KV bytes sent (prefill) or received (decode)
     kv_pending: int = 0  # handoffs in progress (their slots held)
     integrity_error: str | None = None  # set when a PingReq asked for a check and it failed ("" = passed)
+    prefix_cache_tokens: int = 0  # tokens the prefix cache holds (kv_cache_usage counts only requests' slots)
 
 
 FromEngine = ReadyMsg | AcceptedMsg | TokensMsg | HandedOffMsg | ErrorMsg | StatsMsg

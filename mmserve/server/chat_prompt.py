@@ -1,0 +1,95 @@
+"""A chat request's messages as the engine takes them: prompt token ids (the chat template applied, one
+placeholder token per media item) and the media items, checked against the server's limits and the model.
+
+Shared by /v1/chat/completions and the chat form of /tokenize, so both see the same prompt.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Any
+
+from mmserve.multimodal import precomputed
+from mmserve.multimodal.errors import MediaError
+from mmserve.multimodal.items import Modality
+from mmserve.multimodal.media import MediaRef
+from mmserve.multimodal.messages import parse_messages
+from mmserve.multimodal.precomputed import EmbedsRef
+from mmserve.server.app_state import AppState
+from mmserve.server.protocol import APIError
+from mmserve.server.tools import render_chat
+from mmserve.transport.messages import MediaItemMsg
+
+
+@dataclass
+class ChatPrompt:
+    prompt_ids: list[int]  # each media item still one placeholder token (the engine expands them)
+    media: list[tuple[Modality, MediaRef | EmbedsRef]]  # in prompt order
+    settings: list[dict[str, Any]]  # the family's per-item settings, parallel to `media`
+
+    @property
+    def has_embeds(self) -> bool:
+        return any(isinstance(ref, EmbedsRef) for _, ref in self.media)
+
+
+def chat_prompt(
+    state: AppState,
+    messages: list[dict[str, Any]],
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
+    add_special_tokens: bool = False,
+    tools: list[dict[str, Any]] | None = None,
+) -> ChatPrompt:
+    """Raises APIError (400) for messages the server or the model cannot take."""
+    cfg, family = state.cfg, state.family
+    try:
+        template, media = parse_messages(messages)
+    except (ValueError, MediaError) as e:
+        raise APIError(400, str(e), "invalid_messages") from e
+    embeds = [ref.where for _, ref in media if isinstance(ref, EmbedsRef)]
+    if embeds and not cfg.enable_mm_embeds:
+        disabled = "precomputed embeddings are disabled on this server; start it with --enable-mm-embeds"
+        raise APIError(400, f"{embeds[0]}: {disabled}", "embeds_disabled")
+    limits = cfg.mm_limits
+    for modality in {mod for mod, _ in media}:
+        count = sum(1 for mod, _ in media if mod == modality)
+        allowed = limits.get(modality.value, 0)
+        if count > allowed:
+            message = (
+                f"{count} {modality.value} item(s) in the prompt; at most {allowed} allowed "
+                "(--limit-mm-per-prompt)"
+            )
+            raise APIError(400, message, "too_many_items")
+    try:
+        text = render_chat(state.tokenizer, template, tools, add_generation_prompt, continue_final_message)
+    except Exception as e:  # a template that rejects the conversation (e.g. bad role order)
+        raise APIError(400, f"chat template failed: {e}", "invalid_messages") from e
+    prompt_ids = state.tokenize(text, add_special_tokens=add_special_tokens)
+    for modality, _ in media:
+        if modality not in family.modalities:
+            raise APIError(
+                400,
+                f"this model takes no {modality.value} input (it takes "
+                f"{', '.join(sorted(m.value for m in family.modalities))})",
+                "unsupported_media",
+            )
+    return ChatPrompt(prompt_ids, media, family.item_settings([mod for mod, _ in media]))
+
+
+async def media_items(state: AppState, prompt: ChatPrompt, cache_salt: str | None) -> list[MediaItemMsg]:
+    """The items as they travel to the engine; precomputed embeddings are decoded and checked here (400s).
+    Media bytes are not fetched here: the engine or an encoder does that."""
+
+    def build() -> list[MediaItemMsg]:
+        return [
+            precomputed.item_msg(state.family, mod, ref, s, state.cfg.max_mm_embeds_bytes, cache_salt)
+            if isinstance(ref, EmbedsRef)
+            else MediaItemMsg(mod.value, url=ref.url, data=ref.data, settings=s)
+            for (mod, ref), s in zip(prompt.media, prompt.settings, strict=True)
+        ]
+
+    try:  # decoding and checking embeddings is CPU work: off the event loop
+        return await asyncio.to_thread(build) if prompt.has_embeds else build()
+    except MediaError as e:
+        raise APIError.of(e.failure) from e

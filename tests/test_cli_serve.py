@@ -1,0 +1,228 @@
+"""`mmserve serve` as a user starts and stops it: MODEL positionally or as --model, defaults in every --help,
+--served-model-name aliases, --dtype auto, a taken port refused before anything loads, and Ctrl-C during a
+stream (clean end for the client, no traceback, no process left)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from mmserve.cli import build_parser, engine_config_from_args, main, server_config_from_args
+from mmserve.models import loader
+from mmserve.server.encoder_workers import free_port
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    return build_parser().parse_args(list(argv))
+
+
+# -- arguments -----------------------------------------------------------------------------------------
+def test_model_is_positional_or_a_flag(capsys):
+    for command in ("serve", "encoder"):
+        assert parse(command, "m").model == "m"
+        assert parse(command, "--model", "m").model == "m"
+        assert parse(command, "m", "--model", "m").model == "m"
+        for argv, error in (
+            ((command,), "the model is required"),
+            ((command, "a", "--model", "b"), "differ"),
+        ):
+            with pytest.raises(SystemExit) as exit_info:
+                parse(*argv)
+            assert exit_info.value.code == 2 and error in capsys.readouterr().err
+    assert parse("bench", "kv", "m").model == parse("bench", "kv", "--model", "m").model == "m"
+
+
+def test_served_model_names_fill_the_config():
+    cfg = server_config_from_args(parse("serve", "org/model", "--served-model-name", "a", "b", "a", "c"))
+    assert (cfg.served_model_name, cfg.served_model_aliases) == ("a", ("b", "c"))
+    assert cfg.served_model_names == ("a", "b", "c")
+    cfg = server_config_from_args(parse("serve", "org/model"))
+    assert (cfg.served_model_name, cfg.served_model_aliases) == ("org/model", ())
+
+
+def _parsers(parser: argparse.ArgumentParser):
+    yield parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in dict.fromkeys(action.choices.values()):  # aliases map to the same parser
+                yield from _parsers(sub)
+
+
+def test_every_option_help_shows_its_default():
+    checked, helps = 0, {}
+    for parser in _parsers(build_parser()):
+        text = helps[parser.prog] = " ".join(parser.format_help().split())
+        for action in parser._actions:
+            default = action.default
+            if (
+                not action.option_strings
+                or default is None
+                or default is False
+                or default in ([], argparse.SUPPRESS)
+            ):
+                continue  # unset: nothing to show
+            assert f"default: {default}" in text, (parser.prog, action.option_strings)
+            checked += 1
+    assert checked > 100  # every subcommand, bench included
+    assert (
+        "--port PORT default: 8000" in helps["mmserve serve"] and "(default: auto)" in helps["mmserve serve"]
+    )
+    assert (
+        "--max-batch-items MAX_BATCH_ITEMS items fused into one tower forward (default: 8)"
+        in helps["mmserve encoder"]
+    )
+
+
+def test_bench_help_lists_the_run_flags(capsys):
+    with pytest.raises(SystemExit):
+        main(["bench", "--help"])
+    text = capsys.readouterr().out
+    for flag in ("--url", "--num-requests", "--concurrency", "--seed", "--json", "--no-server-metrics"):
+        assert flag in text
+    assert "compare" in text and "kv" in text
+
+
+# -- dtype ---------------------------------------------------------------------------------------------
+def checkpoint(tmp_path, name: str, config: dict) -> str:
+    path = tmp_path / name
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(config))
+    return str(path)
+
+
+def test_dtype_auto_follows_the_checkpoint_and_the_cpu(tmp_path, monkeypatch):
+    bf16 = checkpoint(tmp_path, "bf16", {"torch_dtype": "bfloat16"})
+    fp16_text = checkpoint(tmp_path, "fp16", {"text_config": {"dtype": "float16"}})
+    fp32 = checkpoint(tmp_path, "fp32", {"dtype": "float32"})
+    unsaid = checkpoint(tmp_path, "unsaid", {})
+    monkeypatch.setattr(loader, "cpu_has_bf16", lambda: True)
+    assert [loader.resolve_dtype(p, "auto") for p in (bf16, fp16_text, fp32, unsaid)] == [
+        "bfloat16",
+        "bfloat16",  # float16 has no fast CPU kernels
+        "float32",
+        "float32",
+    ]
+    assert engine_config_from_args(parse("serve", bf16)).dtype == "bfloat16"  # resolved once, in the config
+    assert engine_config_from_args(parse("serve", bf16, "--dtype", "fp32")).dtype == "float32"
+    monkeypatch.setattr(loader, "cpu_has_bf16", lambda: False)
+    assert loader.resolve_dtype(bf16, "auto") == "float32"
+    assert loader.resolve_dtype(bf16, "bf16") == "bfloat16"  # an explicit choice is kept
+    with pytest.raises(ValueError, match="resolve"):
+        loader.parse_dtype("auto")  # nothing downstream may guess
+    with pytest.raises(ValueError, match="unknown dtype"):
+        loader.resolve_dtype(bf16, "int8")
+
+
+def test_tiny_models_stay_float32_and_the_llm_resolves_auto(tiny_qwen2_vl, tmp_path, monkeypatch):
+    from mmserve.llm import LLM
+
+    assert loader.resolve_dtype(tiny_qwen2_vl, "auto") == "float32"
+    copy = tmp_path / "bf16"
+    shutil.copytree(tiny_qwen2_vl, copy)
+    config = json.loads((copy / "config.json").read_text())
+    (copy / "config.json").write_text(json.dumps({**config, "dtype": "bfloat16"}))
+    monkeypatch.setattr(loader, "cpu_has_bf16", lambda: True)
+    assert LLM(str(copy), kv_cache_mb=4).engine.cfg.dtype == "bfloat16"
+
+
+# -- start-up and shutdown -----------------------------------------------------------------------------
+def test_a_taken_port_fails_at_once(tmp_path):
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen()
+    port = holder.getsockname()[1]
+    model = checkpoint(tmp_path, "never-loaded", {})  # refused before the model is even looked at
+    try:
+        for command in ("serve", "encoder"):
+            start = time.monotonic()
+            proc = subprocess.run(
+                [sys.executable, "-m", "mmserve.cli", command, model, "--port", str(port)],
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+            elapsed = time.monotonic() - start
+            assert proc.returncode == 1, proc.stderr
+            lines = proc.stderr.strip().splitlines()
+            assert len(lines) == 1 and f"--port {port}" in lines[0], proc.stderr
+            assert "address already in use" in lines[0].lower()
+            # Python and the parser only; slower means parsing imported torch (python -X importtime -m mmserve.cli)
+            assert elapsed < 3, f"{command}: {elapsed:.1f} s"
+    finally:
+        holder.close()
+
+
+def test_ctrl_c_during_a_stream_ends_cleanly(tiny_qwen2_vl, tmp_path):
+    port = free_port()
+    log_path = tmp_path / "server.log"
+    cmd = [sys.executable, "-m", "mmserve.cli", "serve", tiny_qwen2_vl, "--port", str(port)]
+    with open(log_path, "w") as log:  # MODEL positionally; info: the start-up line with the dtype
+        server = subprocess.Popen(
+            [*cmd, *"--kv-cache-mb 16 --log-level info".split()], stdout=log, stderr=log
+        )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180
+        while not _healthy(url):
+            assert server.poll() is None and time.monotonic() < deadline, log_path.read_text()
+            time.sleep(0.2)
+        children = subprocess.run(
+            ["pgrep", "-P", str(server.pid)], capture_output=True, text=True
+        ).stdout.split()
+        assert children  # the engine process
+        body = {
+            "messages": [{"role": "user", "content": "count"}],
+            "max_tokens": 3000,
+            "ignore_eos": True,
+            "stream": True,
+        }
+        events, interrupted_at = [], None
+        with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=20) as resp:
+            assert resp.status_code == 200
+            for line in resp.iter_lines():  # bounded: the read timeout, and 3000 tokens
+                if line.startswith("data:"):
+                    events.append(line.removeprefix("data:").strip())
+                    if interrupted_at is None:
+                        interrupted_at = time.monotonic()
+                        server.send_signal(signal.SIGINT)
+        ended_after = time.monotonic() - interrupted_at
+        assert events[-1] == "[DONE]" and "server_shutting_down" in events[-2], events[-3:]
+        assert ended_after < 5, ended_after
+        assert server.wait(timeout=10) == 0  # the engine stopped in order (ShutdownReq), a clean exit
+        for pid in children:
+            for _ in range(50):  # the server stopped its children before exiting: at most a moment's lag
+                if _gone(pid):
+                    break
+                time.sleep(0.1)
+            assert _gone(pid), f"child {pid} outlived the server"
+        text = log_path.read_text()
+        assert "Traceback" not in text, text
+        assert f"model {tiny_qwen2_vl}: dtype float32, device cpu, max model len 4096" in text
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait()
+
+
+def _healthy(url: str) -> bool:
+    try:
+        return httpx.get(url + "/health", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] == "Z"
+    except FileNotFoundError:
+        return True
