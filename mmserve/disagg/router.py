@@ -33,12 +33,12 @@ from mmserve.config import RouterConfig
 from mmserve.disagg.relay import RouterContext, UpstreamStream, relay
 from mmserve.disagg.router_metrics import RouteNote, RouterMetrics
 from mmserve.disagg.router_registry import ROLES, InfoError, ServerRegistry, fetch_info, probe_once
+from mmserve.server.disconnect import watch_disconnect
 from mmserve.server.protocol import APIError
 from mmserve.transport import cluster_auth
 from mmserve.transport.cluster_auth import HTTP_HEADER
 
 logger = logging.getLogger("mmserve.router")
-DISCONNECT_POLL_S = 0.5
 
 
 def _reject_constant(name: str) -> None:
@@ -68,10 +68,11 @@ async def read_json_object(request: Request, max_bytes: int) -> dict[str, Any]:
 async def run_with_disconnect(request: Request, coro) -> Response:
     """Await `coro`, cancelling it (and so closing both upstream requests) if the client goes away."""
     task = asyncio.ensure_future(coro)
+    gone = watch_disconnect(request)  # the body was read: woken by the client's disconnect itself
     try:
         while not task.done():
-            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
-            if not done and await request.is_disconnected():
+            done, _ = await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if task not in done:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     response = await task
@@ -80,6 +81,7 @@ async def run_with_disconnect(request: Request, coro) -> Response:
                 raise APIError(499, "client disconnected", "client_closed")
         return task.result()
     finally:
+        gone.cancel()
         task.cancel()
 
 

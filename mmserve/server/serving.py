@@ -200,7 +200,8 @@ class Generation:
                 elif msg.index in last_token_time and msg.token_ids:
                     self.metrics.record_output_gap(now - last_token_time[msg.index])
                 last_token_time[msg.index] = now
-                self.cached_tokens = msg.num_cached_tokens
+                if msg.index == 0:  # n > 1: the other choices reuse the first one's prompt, not the client's
+                    self.cached_tokens = msg.num_cached_tokens
                 if msg.prompt_logprobs is not None:
                     self.prompt_logprobs = msg.prompt_logprobs
                 choice = choices.get(msg.index)
