@@ -90,8 +90,10 @@ def _make_tiny_model(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from mmserve.demo import run_demo
+    from mmserve.demo import run_demo, run_ui_demo
 
+    if args.ui:
+        return 0 if run_ui_demo(args.model_dir, args.port) else 1
     return 0 if run_demo(args.model_dir) else 1
 
 
@@ -130,6 +132,7 @@ def server_config_from_args(args: argparse.Namespace):
         log_stats_interval_s=args.log_stats_interval,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         tool_call_parser=args.tool_call_parser,
+        disable_ui=args.disable_ui,
     )
 
 
@@ -213,6 +216,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--limit-mm-per-prompt", default=None, help='JSON, e.g. \'{"image": 4, "video": 1}\'')
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
+    p.add_argument(
+        "--disable-ui", action="store_true", help="serve no playground (/) and no dashboard (/dashboard)"
+    )
     p.add_argument("--max-waiting-requests", type=int, default=256)
     p.add_argument("--max-request-body-mb", type=float, default=64)
     p.add_argument(
@@ -343,6 +349,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("demo", help="run the stack on the embedded tiny model")
     p.add_argument("--model-dir", default="models/tiny-qwen2-vl")
+    p.add_argument("--ui", action="store_true", help="serve the playground and dashboard until Ctrl-C")
+    p.add_argument("--port", type=int, default=8000, help="with --ui: the server's port")
     p.set_defaults(func=_demo)
     return parser
 

@@ -84,6 +84,7 @@ def engine_config_from_args(args: argparse.Namespace):
         max_num_seqs=args.max_num_seqs,
         kv_cache_mb=args.kv_cache_mb,
         disable_prefix_cache=args.disable_prefix_cache,
+        encode_prefill_overlap=not args.disable_encode_prefill_overlap,
         embedding_cache_mb=args.embedding_cache_mb,
         mm_processor_kwargs=tuple(_json_arg(args.mm_processor_kwargs, "--mm-processor-kwargs").items()),
         media=media_config_from_args(args),
@@ -228,8 +229,20 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None, help="default: the model's context length")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--max-num-seqs", type=int, default=64, help="cap on running requests")
-    p.add_argument("--kv-cache-mb", type=float, default=None, help="KV budget (default: 20%% of free memory)")
+    p.add_argument(
+        "--kv-cache-mb",
+        type=float,
+        default=None,
+        help="KV budget (default: room for --max-num-seqs requests of --max-model-len tokens, at most 20%% of "
+        "free memory)",
+    )
     p.add_argument("--disable-prefix-cache", action="store_true")
+    p.add_argument(
+        "--disable-encode-prefill-overlap",
+        action="store_true",
+        help="wait for a request's media before prefilling any of it (default: its text before the first item "
+        "is prefilled while the media encode)",
+    )
     p.add_argument("--embedding-cache-mb", type=float, default=512)
     p.add_argument(
         "--max-prompt-tokens",

@@ -132,9 +132,13 @@ class EngineConfig:
     max_model_len: int | None = None
     max_num_batched_tokens: int = 2048  # tokens computed per forward (prefill chunks + decodes)
     max_num_seqs: int = 64  # cap on running requests
-    kv_cache_mb: float | None = None  # KV pool budget; None: kv_cache_memory_fraction of available memory
-    kv_cache_memory_fraction: float = 0.2
+    kv_cache_mb: float | None = (
+        None  # KV pool budget; None: max_num_seqs x max_model_len tokens, capped below
+    )
+    kv_cache_memory_fraction: float = 0.2  # of the memory available at start: the default budget's cap
     disable_prefix_cache: bool = False
+    # Prefill a request's text before its first item while the item encodes (mmserve.engine.engine)
+    encode_prefill_overlap: bool = True
     embedding_cache_mb: float = 512.0
     mm_processor_kwargs: tuple[tuple[str, object], ...] = ()
     media: MediaConfig = MediaConfig()
@@ -227,6 +231,7 @@ class ServerConfig:
     # "decode" servers take requests only from `mmserve router` (with `kv_transfer_params`).
     disaggregation_mode: str = "null"
     kv_adopt_timeout_s: float = 300.0  # decode server: longest wait for a request's prefill and KV handoff
+    disable_ui: bool = False  # no playground (/), dashboard (/dashboard) nor /ui/* (server/routes_ui.py)
 
     @property
     def mm_limits(self) -> dict[str, int]:

@@ -6,6 +6,10 @@ process, a prefill server without vision weights that sends media to it, a decod
 `mmserve router` in front). It sends chat requests with generated images through the `openai` client (one
 streamed, one repeating an image so the caches show), prints each answer with where its time went and its
 path (encoder, prefill server, decode server, KV bytes moved and how long that took), and shuts it all down.
+
+`mmserve demo --ui` (`make demo-ui`): one `mmserve serve --encoder-workers 2` with the browser playground and
+dashboard (mmserve.server.routes_ui), a few requests so the dashboard has something to show, then the server
+stays up until Ctrl-C.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from mmserve.testing.server_process import start_server
 from mmserve.testing.tiny_models import ensure_tiny_model
 
 DEFAULT_MODEL_DIR = os.path.join("models", "tiny-qwen2-vl")
+UI_DEMO_PORT = 8000
 
 
 def shape_image(color: tuple[int, int, int], box: tuple[int, int, int, int], size=(96, 64)) -> str:
@@ -120,4 +125,44 @@ def run_demo(model_dir: str = DEFAULT_MODEL_DIR, max_tokens: int = 16) -> bool:
         finally:
             code = server.stop()
         print(f"\nserver stopped cleanly (exit {code}); demo took {time.perf_counter() - start:.1f}s")
+        ui_url = f"http://127.0.0.1:{UI_DEMO_PORT}/"
+        print(f"\nPlayground (and /dashboard): {ui_url} while `make demo-ui` runs (until Ctrl-C)")
         return ok and code == 0
+
+
+def run_ui_demo(model_dir: str = DEFAULT_MODEL_DIR, port: int = UI_DEMO_PORT, max_tokens: int = 16) -> bool:
+    """A server with two encoder workers and the browser UI on `port`, up until Ctrl-C."""
+    import openai
+
+    ensure_tiny_model(model_dir)
+    red = shape_image((220, 40, 40), (20, 12, 60, 50))
+    green = shape_image((40, 200, 60), (50, 8, 90, 40))
+    print(f"starting {model_dir} with two encoder workers on port {port} ...", flush=True)
+    with tempfile.TemporaryDirectory() as logs:
+        try:
+            server = start_server(
+                model_dir,
+                *("--kv-cache-mb", "64", "--encoder-workers", "2"),
+                log_dir=logs,
+                served_model_name="tiny-qwen2-vl",
+                port=port,
+            )
+        except AssertionError as e:
+            print(f"the server did not start (another on port {port}? `mmserve demo --ui --port N`):\n{e}")
+            return False
+        try:
+            client = openai.OpenAI(base_url=server.url + "/v1", api_key="demo", max_retries=0, timeout=60)
+            for text, image in (("What shape is this?", red), ("And this one?", green), ("Again?", red)):
+                client.chat.completions.create(
+                    model="tiny-qwen2-vl", messages=_message(text, image), max_tokens=max_tokens
+                )
+            print(f"\nPlayground: {server.url}/\nDashboard:  {server.url}/dashboard")
+            print("(tiny random-weight model: its text is noise; Ctrl-C stops the server)", flush=True)
+            while server.proc.poll() is None:
+                time.sleep(0.5)
+        except KeyboardInterrupt:
+            pass
+        finally:
+            code = server.stop()
+        print(f"server stopped (exit {code})")
+        return code == 0

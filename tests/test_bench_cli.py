@@ -15,8 +15,8 @@ from mmserve.bench.commands import _choose_seed
 from mmserve.bench.compare import format_breakdown, run_one
 from mmserve.bench.server_metrics import MetricsUnavailable, breakdown, scrape, scrape_text
 from mmserve.bench.workload import WorkloadConfig, build_workload
-from mmserve.testing.server_process import start_server
 from mmserve.transport.cluster_auth import ENV_VAR
+from tests.conftest import CLUSTER_SECRET
 
 BEFORE = """
 mmserve:request_queue_time_seconds_sum{model_name="m"} 1.0
@@ -75,18 +75,14 @@ def test_bench_compare_with_hf_baseline(tiny_qwen2_vl, tmp_path):
     assert "| hf |" in proc.stdout and "| mmserve |" in proc.stdout
 
 
-SECRET = "bench test secret, 16+ bytes"
+SECRET = CLUSTER_SECRET
 
 
 @pytest.fixture(scope="module")
-def server(tiny_qwen2_vl, tmp_path_factory):
-    """One real EPD server for the `bench run` tests; it has the cluster secret, so does the bench."""
-    logs = str(tmp_path_factory.mktemp("bench_server"))
-    handle = start_server(
-        tiny_qwen2_vl, *"--kv-cache-mb 16 --encoder-workers 1".split(), log_dir=logs, env={ENV_VAR: SECRET}
-    )
-    yield handle
-    handle.stop()
+def server(shared_secured_epd_process):
+    """One real EPD server for the `bench run` tests (shared with test_cluster_auth, tests/conftest.py); it
+    has the cluster secret, so does the bench."""
+    return shared_secured_epd_process.get()
 
 
 def test_bench_run_against_a_server(server, tmp_path):

@@ -88,6 +88,17 @@ def test_no_reuse_means_all_unique():
     assert all(k.startswith("unique-") for r in reqs for k in r.image_keys)
 
 
+def test_system_prompt_comes_first_and_differs_per_request():
+    reqs = build_workload(WorkloadConfig(num_requests=3, system_prompt_tokens=50, image_sizes=((16, 16),)))
+    systems = [r.messages[0] for r in reqs]
+    assert all(
+        m["role"] == "system" and len(m["content"].split()) == 52 for m in systems
+    )  # "Session N." + 50
+    assert len({m["content"] for m in systems}) == 3  # no cache can hold it for the next request
+    assert all(r.messages[1]["content"][0]["type"] == "image_url" for r in reqs)  # the media come after it
+    assert "system" not in [m["role"] for m in build_workload(WorkloadConfig(num_requests=1))[0].messages]
+
+
 @pytest.mark.parametrize("sizes", [((40, 30),), ((16, 16), (48, 32), (24, 40))])
 def test_image_sizes_match_config(sizes):
     cfg = WorkloadConfig(num_requests=20, images_per_request=(1, 2), image_sizes=sizes, image_reuse=0.3)

@@ -6,7 +6,7 @@ Every salt used against a server is fresh (`salt()`), so a hit can only come fro
 
 from __future__ import annotations
 
-import concurrent.futures
+import functools
 import itertools
 import json
 
@@ -162,25 +162,19 @@ def test_salt_enters_the_content_hash(tiny_qwen2_vl):
 
 # -- real servers ----------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def servers(tiny_qwen2_vl, tmp_path_factory):
-    """A monolithic server, and an EPD one (one encoder worker) with --cache-salt-required, started together."""
+def servers(shared_server_process, tiny_qwen2_vl, tmp_path_factory):
+    """A monolithic server (the plain one shared with other modules, tests/conftest.py), and an EPD one (one
+    encoder worker) with --cache-salt-required, started side by side when the shared one is not up yet."""
     logs = str(tmp_path_factory.mktemp("logs"))
-    strict_args = ("--encoder-workers", "1", "--cache-salt-required")
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        futures = [
-            pool.submit(start_server, tiny_qwen2_vl, "--kv-cache-mb", "16", *args, log_dir=logs)
-            for args in ((), strict_args)
-        ]
-        started = [f.result() for f in futures if f.exception() is None]  # waits for both
-    if len(started) < 2:
-        for handle in started:
-            handle.stop()
-        raise next(f.exception() for f in futures if f.exception() is not None)
-    yield dict(zip(("plain", "strict"), started, strict=True))
-    for handle in started:
-        settled_integrity(handle.url)  # pool, radix tree and embedding cache consistent after it all
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        assert list(pool.map(lambda handle: handle.stop(), started)) == [0, 0]
+    strict_args = ("--kv-cache-mb", "16", "--encoder-workers", "1", "--cache-salt-required")
+    plain, strict = shared_server_process.get_beside(
+        functools.partial(start_server, tiny_qwen2_vl, *strict_args, log_dir=logs)
+    )
+    yield {"plain": plain, "strict": strict}
+    try:  # pool, radix tree and embedding cache consistent after it all (the shared one's: at its stop)
+        settled_integrity(strict.url)
+    finally:
+        assert strict.stop() == 0
 
 
 @pytest.fixture(scope="module")
@@ -232,7 +226,8 @@ def text(r: dict) -> str:
 
 
 def test_image_hits_are_shared_within_a_salt_only(servers, expected):
-    url, case = servers["plain"].url, image_case([1], "Describe the image.")
+    # An image no other module sends to the shared server: its first unsalted request is a miss.
+    url, case = servers["plain"].url, image_case([301], "Describe the image.")
     reference_text, hf_ids = expected(case)
     image_offset = hf_ids.index(expected.image_token_id)
     a = salt("a")
@@ -242,7 +237,7 @@ def test_image_hits_are_shared_within_a_salt_only(servers, expected):
     assert hits(same) == 1 and cached(same) == prompt_tokens(same) - 1
     assert (cached(other), hits(other)) == (0, 0)  # not even the chat template's text before the image
     # Salted KV never serves an unsalted request; it may share the template's text before the image with
-    # other unsalted requests (none precede it when this module runs in order: then it is 0).
+    # other unsalted requests (those of other modules on the shared server too).
     assert hits(unsalted) == 0 and cached(unsalted) <= image_offset
     assert hits(unsalted_again) == 1 and cached(unsalted_again) == prompt_tokens(same) - 1  # as before
     assert [text(r) for r in (first, same, other, unsalted, unsalted_again)] == [reference_text] * 5

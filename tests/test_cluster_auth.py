@@ -11,13 +11,13 @@ import zmq
 
 from mmserve.multimodal.items import MAIN, ItemEmbedding, Modality
 from mmserve.testing.process_group import EncoderSpec, start_with_encoders, stop_all
-from mmserve.testing.server_process import start_server
 from mmserve.transport.cluster_auth import ENV_VAR, HTTP_HEADER, ClusterSecret, PartRejected, PartVerifier
 from mmserve.transport.embedding_wire import EmbeddingItem, encode_part
 from mmserve.transport.zmq_channel import EmbeddingReceiver, EmbeddingSender
+from tests.conftest import CLUSTER_SECRET
 from tests.engine_helpers import image_case, reference_text
 
-SECRET = "correct horse battery staple"
+SECRET = CLUSTER_SECRET  # the shared secured EPD server's (tests/conftest.py)
 OTHER = "another secret, sixteen+ bytes"
 MAX_NEW = 6
 CONTROL_PLANE = (("POST", "/register_encoder"), ("POST", "/unregister_encoder"), ("GET", "/encoders"))
@@ -114,11 +114,10 @@ def logs(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def secured(tiny_qwen2_vl, logs):
-    handle = start_server(tiny_qwen2_vl, "--kv-cache-mb", "16", "--encoder-workers", "2",
-                          "--language-only", log_dir=logs, env={ENV_VAR: SECRET})  # fmt: skip
-    yield handle
-    assert handle.stop() == 0
+def secured(shared_secured_epd_process):
+    """The language-only server with two encoder workers and the secret in its environment, shared with
+    test_bench_cli (tests/conftest.py): its counters are read as differences."""
+    return shared_secured_epd_process.get()
 
 
 def chat(url: str, case) -> httpx.Response:
@@ -133,12 +132,16 @@ def auth_counts(url: str) -> dict:
 def test_secured_epd_matches_hf(secured, tiny_qwen2_vl):
     case = image_case([41], "Describe it.")
     want = reference_text(tiny_qwen2_vl, MAX_NEW)(case)
+    before = auth_counts(secured.url)
     r = chat(secured.url, case)
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["message"]["content"] == want
     assert "127.0.0.1" in r.json()["mmserve"]["encoded_by"]  # really went through a (language-only) EPD path
-    counts = auth_counts(secured.url)
-    assert counts["parts_forged"] == 0 and counts["parts_replayed"] == 0
+    counts = auth_counts(secured.url)  # the workers' signed parts all verified
+    assert (
+        counts["parts_forged"] == before["parts_forged"]
+        and counts["parts_replayed"] == before["parts_replayed"]
+    )
 
 
 def test_internal_routes_require_the_cluster_token(secured):

@@ -1,6 +1,7 @@
 """The control plane of a language server (`/register_encoder`, `/unregister_encoder`, `/encoders`) is locked.
 
-Three real servers, started side by side once for the module, and one real encoder:
+Three real servers, started side by side once for the module (the anonymous one is shared with
+test_epd_e2e), and one real encoder:
 - secured: a cluster secret and an API key. Only the cluster token opens the control plane (401 otherwise,
   the API key included).
 - locked: no secret, an API key, a static encoder (`--encoder-urls`). The control plane is off (403 naming the
@@ -21,6 +22,7 @@ import httpx
 import pytest
 
 from mmserve.testing.probes import metric
+from mmserve.testing.process_group import stop_all
 from mmserve.testing.server_process import ServerHandle, free_port, start_encoder, start_server
 from mmserve.transport.cluster_auth import ENV_VAR, HTTP_HEADER, ClusterSecret
 from tests.engine_helpers import image_case
@@ -41,7 +43,7 @@ class Stack:
 
 
 @pytest.fixture(scope="module")
-def stack(tiny_qwen2_vl, tmp_path_factory):
+def stack(tiny_qwen2_vl, tmp_path_factory, shared_language_only_process):
     logs = str(tmp_path_factory.mktemp("control-plane-logs"))
     secured_port, locked_port, encoder_port = free_port(), free_port(), free_port()
     encoder_url = f"http://127.0.0.1:{encoder_port}"
@@ -78,9 +80,8 @@ def stack(tiny_qwen2_vl, tmp_path_factory):
             port=locked_port,
             log_dir=logs,
         ),
-        "anonymous": lambda: start_server(
-            tiny_qwen2_vl, *common, "--enable-anonymous-registration", log_dir=logs
-        ),
+        # --language-only --enable-anonymous-registration: the one shared with test_epd_e2e (tests/conftest.py).
+        "anonymous": shared_language_only_process.get,
     }
     # Two at a time: start-up is mostly imports, CPU-bound; more at once than cores only thrashes.
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
@@ -93,8 +94,8 @@ def stack(tiny_qwen2_vl, tmp_path_factory):
             raise AssertionError(f"start-up failed: {failed}")
         yield Stack(**started)
     finally:
-        with concurrent.futures.ThreadPoolExecutor(len(started) or 1) as pool:
-            codes = list(pool.map(lambda handle: handle.stop(), started.values()))
+        own = [handle for name, handle in started.items() if name != "anonymous"]  # the shared one stays up
+        codes = stop_all(own)
     assert codes == [0] * len(codes)
 
 

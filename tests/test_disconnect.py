@@ -8,8 +8,6 @@ import time
 import httpx
 import pytest
 
-from mmserve.testing.server_process import start_server
-
 NUM_CLIENTS = 20
 LONG = {
     "messages": [{"role": "user", "content": "Tell me everything."}],
@@ -21,10 +19,9 @@ SHORT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 
 
 @pytest.fixture(scope="module")
-def server(tiny_qwen2_vl, tmp_path_factory):
-    handle = start_server(tiny_qwen2_vl, "--kv-cache-mb", "64", log_dir=str(tmp_path_factory.mktemp("logs")))
-    yield handle
-    assert handle.stop() == 0
+def server(shared_server):
+    """The plain server shared with other modules (tests/conftest.py)."""
+    return shared_server
 
 
 def engine_load(server) -> dict:

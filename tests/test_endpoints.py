@@ -1,5 +1,6 @@
 """vLLM's extra endpoints over real HTTP: /tokenize, /detokenize, /version, /ping, /v1/models/{id}, model aliases,
-and which of them need the API key (one server, tiny model)."""
+and which of them need the API key (the tiny model's servers shared with other modules, tests/conftest.py: the
+plain one, served as "tiny" and "tiny-alias", and the one with an API key)."""
 
 from __future__ import annotations
 
@@ -9,29 +10,23 @@ import httpx
 import pytest
 
 from mmserve.models.loader import load_tokenizer
-from mmserve.testing.server_process import start_server
+from tests.conftest import API_KEY
 from tests.engine_helpers import image_case
 
-KEY = "k3y"
-AUTH = {"Authorization": f"Bearer {KEY}"}
+AUTH = {"Authorization": f"Bearer {API_KEY}"}  # the keyed server's; the plain one takes any
 TEXT_MESSAGES = [{"role": "user", "content": "Describe what you see."}]
 
 
 @pytest.fixture(scope="module")
-def server(tiny_qwen2_vl, tmp_path_factory):
-    handle = start_server(
-        tiny_qwen2_vl,
-        "--served-model-name",
-        "tiny",
-        "tiny-alias",
-        "--api-key",
-        KEY,
-        "--kv-cache-mb",
-        "16",
-        log_dir=str(tmp_path_factory.mktemp("logs")),
-    )
-    yield handle
-    assert handle.stop() == 0
+def server(shared_server):
+    """The plain server (no API key), served as "tiny" and "tiny-alias"."""
+    return shared_server
+
+
+@pytest.fixture(scope="module")
+def keyed(shared_keyed_process):
+    """The server with --api-key."""
+    return shared_keyed_process.get()
 
 
 @pytest.fixture(scope="module")
@@ -87,21 +82,24 @@ def test_chat_tokenize_counts_what_a_completion_reports(server):
     assert count == prompt_tokens(images)
 
 
-def test_version_ping_and_health_need_no_key(server):
-    version = httpx.get(server.url + "/version", timeout=10)
+def test_version_ping_and_health_need_no_key(keyed):
+    version = httpx.get(keyed.url + "/version", timeout=10)
     assert version.status_code == 200 and version.json()["version"]
-    assert httpx.get(server.url + "/ping", timeout=10).status_code == 200
-    assert httpx.post(server.url + "/ping", timeout=10).status_code == 200
-    assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+    assert httpx.get(keyed.url + "/ping", timeout=10).status_code == 200
+    assert httpx.post(keyed.url + "/ping", timeout=10).status_code == 200
+    assert httpx.get(keyed.url + "/health", timeout=10).status_code == 200
 
 
-def test_tokenizer_endpoints_need_the_key(server):
-    assert post(server, "/tokenize", {"prompt": "hi"}, headers=None).status_code == 401
+def test_tokenizer_endpoints_need_the_key(keyed):
+    assert post(keyed, "/tokenize", {"prompt": "hi"}, headers=None).status_code == 401
     assert (
-        post(server, "/detokenize", {"tokens": [1]}, headers={"Authorization": "Bearer no"}).status_code
-        == 401
+        post(keyed, "/detokenize", {"tokens": [1]}, headers={"Authorization": "Bearer no"}).status_code == 401
     )
-    assert httpx.get(server.url + "/v1/models/tiny", timeout=10).status_code == 401
+    assert httpx.get(keyed.url + "/v1/models/tiny", timeout=10).status_code == 401
+    # and with the key they answer
+    assert post(keyed, "/tokenize", {"prompt": "hi"}).status_code == 200
+    assert post(keyed, "/detokenize", {"tokens": [1]}).status_code == 200
+    assert httpx.get(keyed.url + "/v1/models/tiny", headers=AUTH, timeout=10).status_code == 200
 
 
 def test_models_list_every_served_name_and_aliases_are_served(server):

@@ -31,6 +31,22 @@ def test_control_top_left_causal_mask_for_a_chunk(tiny_qwen2_vl, oracle, monkeyp
     assert tokens(make_llm(tiny_qwen2_vl, max_num_batched_tokens=7)) != [oracle(CASES[0]).token_ids]
 
 
+def test_control_decode_group_ignoring_padding(tiny_qwen2_vl, oracle, monkeypatch):
+    # Requests of different lengths decode in one attention call over slots padded to the longest; without
+    # the key mask the shorter ones would attend to the padding's slot.
+    cases = [image_case([90 + i], "Describe it." + " Really." * 3 * i) for i in range(3)]
+    assert tokens(make_llm(tiny_qwen2_vl), cases) == [oracle(c).token_ids for c in cases]
+    real = attention.DecodeGroup.make
+
+    def unmasked(rows, kv_slots, device):
+        group = real(rows, kv_slots, device)
+        group.mask = None
+        return group
+
+    monkeypatch.setattr(attention.DecodeGroup, "make", staticmethod(unmasked))
+    assert tokens(make_llm(tiny_qwen2_vl), cases) != [oracle(c).token_ids for c in cases]
+
+
 def test_control_missing_rope_delta(tiny_qwen2_vl, oracle, monkeypatch):
     from mmserve.models.qwen2_vl import Family
 

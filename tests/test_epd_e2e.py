@@ -131,38 +131,33 @@ def test_malformed_and_unknown_parts_are_dropped_and_counted(epd2):
     assert content(chat(epd2.url, image_case([30], "Still fine?")))
 
 
-# -- two standalone encoders with default flags, shared by the tests below that leave them running ---------
-@pytest.fixture(scope="module")
-def plain_encoders(tiny_qwen2_vl, logs):
-    """Each test reads their counters as differences and sends them images no other test sends."""
-    handles = start_together(
-        {f"encoder{i}": lambda: start_encoder(tiny_qwen2_vl, log_dir=logs) for i in range(2)}
-    )
-    yield list(handles.values())
-    assert stop_all(handles.values()) == [0, 0]
-
-
 def cache_counts(encoders: list[ServerHandle]) -> tuple[float, float]:
     """(hits, queries) of the encoders' caches, summed."""
     hits = sum(metric(e.url, "encoder_cache_hits") for e in encoders)
     return hits, sum(metric(e.url, "encoder_cache_queries") for e in encoders)
 
 
-# -- round robin over two standalone encoders --------------------------------------------------------------
-def test_round_robin_computes_a_repeated_image_twice(tiny_qwen2_vl, plain_encoders, logs):
-    urls = [e.url for e in plain_encoders]
-    server = start_server(
+# -- a server with vision weights, round robin over two standalone encoders ---------------------------------
+@pytest.fixture(scope="module")
+def round_robin(tiny_qwen2_vl, logs):
+    """(server, its two encoders): test_round_robin_computes_a_repeated_image_twice, then
+    test_killed_encoders_fall_back_to_local_encoding kills both encoders."""
+    server, encoders = start_with_encoders(
         tiny_qwen2_vl,
-        *("--kv-cache-mb", "16", "--encoder-urls", *urls, "--encoder-routing", "round_robin"),
+        ["--kv-cache-mb", "16", "--encoder-routing", "round_robin"],
+        [EncoderSpec(), EncoderSpec()],
         log_dir=logs,
     )
-    try:
-        hits, queries = cache_counts(plain_encoders)
-        for text in ("One.", "Two."):
-            assert content(chat(server.url, image_case([40], text)))
-        assert cache_counts(plain_encoders) == (hits, queries + 2)  # computed twice, never a hit
-    finally:
-        assert server.stop() == 0
+    yield server, encoders
+    assert stop_all([server, *encoders])[0] == 0
+
+
+def test_round_robin_computes_a_repeated_image_twice(round_robin):
+    server, encoders = round_robin
+    hits, queries = cache_counts(encoders)
+    for text in ("One.", "Two."):
+        assert content(chat(server.url, image_case([40], text)))
+    assert cache_counts(encoders) == (hits, queries + 2)  # computed twice, never a hit
 
 
 # -- language-only: no vision weights, encoder faults ----------------------------------------------------
@@ -312,19 +307,15 @@ def test_language_only_with_killed_encoder_gets_a_clear_error(tiny_qwen2_vl, exp
 
 
 @pytest.fixture(scope="module")
-def loners(tiny_qwen2_vl, logs):
+def loners(tiny_qwen2_vl, logs, shared_language_only_process):
     """Processes that one test each uses, started side by side when the first of them is needed:
-    "no_encoder", a language-only server without encoders; "max_pending_0", an encoder that takes no job."""
-    handles = start_together(
-        {
-            "no_encoder": lambda: start_server(
-                tiny_qwen2_vl, "--kv-cache-mb", "16", "--language-only", log_dir=logs
-            ),
-            "max_pending_0": lambda: start_encoder(tiny_qwen2_vl, "--max-pending", "0", log_dir=logs),
-        }
+    "no_encoder", a language-only server without encoders (the one shared with test_control_plane,
+    tests/conftest.py, which registers none for good); "max_pending_0", an encoder that takes no job."""
+    no_encoder, max_pending_0 = shared_language_only_process.get_beside(
+        lambda: start_encoder(tiny_qwen2_vl, "--max-pending", "0", log_dir=logs)
     )
-    yield handles
-    assert stop_all(handles.values()) == [0, 0]
+    yield {"no_encoder": no_encoder, "max_pending_0": max_pending_0}
+    assert max_pending_0.stop() == 0
 
 
 def test_no_encoder_and_no_vision_weights_is_503(loners):
@@ -332,19 +323,15 @@ def test_no_encoder_and_no_vision_weights_is_503(loners):
     assert r.status_code == 503 and "encoder" in r.json()["error"]["message"]
 
 
-def test_killed_encoders_fall_back_to_local_encoding(tiny_qwen2_vl, expected, logs):
-    server, (enc,) = start_with_encoders(
-        tiny_qwen2_vl, ["--kv-cache-mb", "16"], [EncoderSpec()], log_dir=logs
-    )
-    try:
+def test_killed_encoders_fall_back_to_local_encoding(round_robin, expected):
+    server, encoders = round_robin
+    for enc in encoders:
         enc.proc.kill()
         enc.proc.wait(10)
-        case = image_case([80], "Local please.")
-        r = chat(server.url, case)
-        assert content(r) == expected(case)
-        assert "local" in r.json()["mmserve"]["encoded_by"]
-    finally:
-        assert server.stop() == 0
+    case = image_case([80], "Local please.")
+    r = chat(server.url, case)
+    assert content(r) == expected(case)
+    assert "local" in r.json()["mmserve"]["encoded_by"]
 
 
 def test_registration_unregistration_and_server_restart(tiny_qwen2_vl, expected, logs):
@@ -395,8 +382,7 @@ def test_registration_unregistration_and_server_restart(tiny_qwen2_vl, expected,
         wait_for(lambda: registered(server) == [enc.url], "encoder did not re-register after the restart")
         assert content(chat(server.url, case)) == expected(case)
     finally:
-        assert server.stop() == 0
-        enc.stop()
+        assert stop_all([server, enc])[0] == 0
 
 
 def test_four_encoders_in_bfloat16_match_hf_bfloat16(tiny_qwen2_vl, logs):
@@ -437,16 +423,15 @@ def test_encoder_refuses_work_beyond_max_pending(loners):
     assert metric(enc.url, "encoder_rejected_jobs_total") == 1
 
 
-def test_encoder_killed_mid_request_fails_over(tiny_qwen2_vl, expected, plain_encoders, logs):
+def test_encoder_killed_mid_request_fails_over(tiny_qwen2_vl, expected, logs):
     # The slow encoder holds each job in its batch window for 3 s: long enough to kill it mid-request.
-    fast = plain_encoders[0]
-    server, (slow,) = start_with_encoders(
+    server, (slow, fast) = start_with_encoders(
         tiny_qwen2_vl,
         [
             *("--kv-cache-mb", "16", "--language-only", "--encode-timeout-s", "30"),
             *("--encoder-routing", "round_robin"),
         ],
-        [EncoderSpec(("--max-batch-wait-ms", "3000")), fast.url],
+        [EncoderSpec(("--max-batch-wait-ms", "3000")), EncoderSpec()],
         log_dir=logs,
     )
     try:
@@ -462,5 +447,4 @@ def test_encoder_killed_mid_request_fails_over(tiny_qwen2_vl, expected, plain_en
         assert content(r) == expected(case)
         assert fast.url in r.json()["mmserve"]["encoded_by"]
     finally:
-        assert server.stop() == 0
-        slow.stop()
+        assert stop_all([server, fast, slow])[:2] == [0, 0]  # the slow one was killed

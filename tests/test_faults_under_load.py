@@ -15,7 +15,7 @@ import pytest
 
 from mmserve.testing.load import Call, Outcome, run_closed_loop, summarize
 from mmserve.testing.probes import metric, settled_integrity
-from mmserve.testing.process_group import EncoderSpec, start_with_encoders, stop_all
+from mmserve.testing.process_group import EncoderSpec, start_together, start_with_encoders, stop_all
 from mmserve.testing.server_process import start_server
 from tests.engine_helpers import image_case, reference_text
 
@@ -129,65 +129,72 @@ def test_encoder_hung_then_another_killed_mid_load(tiny_qwen2_vl, logs, expected
         assert stop_all([server, a, b])[0] == 0
 
 
-# -- clients leaving mid-stream while others run ---------------------------------------------------------
-def test_clients_disconnecting_mid_stream_under_load(tiny_qwen2_vl, logs, expected):
-    server = start_server(tiny_qwen2_vl, "--kv-cache-mb", "16", "--disable-prefix-cache", log_dir=logs)
-    try:
-        # Every third request is a long stream (2000 tokens) that the client drops after 3 chunks; the others
-        # are short requests, half of them streamed, that must finish with their full, correct answer.
-        def make_call(i: int) -> Call:
-            if i % 3 == 0:
-                return chat_call(
-                    1000 + i, "Talk for a long time.", max_tokens=2000, stream=True, close_after_chunks=3
-                )
-            return chat_call(1000 + i, f"Under load {i % 5}.", stream=i % 2 == 1)
+# -- plain servers, one per test below, started side by side when the first of them is needed -------------
+@pytest.fixture(scope="module")
+def loners(tiny_qwen2_vl, logs):
+    """ "no_prefix_cache": --disable-prefix-cache; "tiny_kv": a 0.3 MB KV pool."""
+    handles = start_together(
+        {
+            "no_prefix_cache": lambda: start_server(
+                tiny_qwen2_vl, "--kv-cache-mb", "16", "--disable-prefix-cache", log_dir=logs
+            ),
+            "tiny_kv": lambda: start_server(tiny_qwen2_vl, "--kv-cache-mb", "0.3", log_dir=logs),
+        }
+    )
+    yield handles
+    assert stop_all(handles.values()) == [0, 0]
 
-        outs = run_closed_loop(server.url, make_call, concurrency=8, num_requests=30, timeout_s=90)
-        assert len(outs) == 30 and all(o.status == 200 for o in outs), summarize(outs)
-        for i, o in enumerate(outs):
-            if i % 3 == 0:
-                assert o.error_code == "client_closed" and o.body["finish_reason"] is None  # left mid-stream
-            else:
-                assert answer(o) == expected(1000 + i, f"Under load {i % 5}."), i
-        body = settled_integrity(server.url)  # the dropped streams were aborted, not decoded to the end
-        assert body["kv_slots_used"] == 0  # no prefix cache: nothing may hold a slot
-    finally:
-        assert server.stop() == 0
+
+# -- clients leaving mid-stream while others run ---------------------------------------------------------
+def test_clients_disconnecting_mid_stream_under_load(loners, expected):
+    server = loners["no_prefix_cache"]
+
+    # Every third request is a long stream (2000 tokens) that the client drops after 3 chunks; the others
+    # are short requests, half of them streamed, that must finish with their full, correct answer.
+    def make_call(i: int) -> Call:
+        if i % 3 == 0:
+            return chat_call(
+                1000 + i, "Talk for a long time.", max_tokens=2000, stream=True, close_after_chunks=3
+            )
+        return chat_call(1000 + i, f"Under load {i % 5}.", stream=i % 2 == 1)
+
+    outs = run_closed_loop(server.url, make_call, concurrency=8, num_requests=30, timeout_s=90)
+    assert len(outs) == 30 and all(o.status == 200 for o in outs), summarize(outs)
+    for i, o in enumerate(outs):
+        if i % 3 == 0:
+            assert o.error_code == "client_closed" and o.body["finish_reason"] is None  # left mid-stream
+        else:
+            assert answer(o) == expected(1000 + i, f"Under load {i % 5}."), i
+    body = settled_integrity(server.url)  # the dropped streams were aborted, not decoded to the end
+    assert body["kv_slots_used"] == 0  # no prefix cache: nothing may hold a slot
 
 
 # -- more requests than the KV pool holds --------------------------------------------------------------------
-def test_kv_pool_exhaustion_retracts_and_every_request_completes(tiny_qwen2_vl, logs):
-    server = start_server(tiny_qwen2_vl, "--kv-cache-mb", "0.3", log_dir=logs)
+def test_kv_pool_exhaustion_retracts_and_every_request_completes(loners):
+    server = loners["tiny_kv"]
+    kv_tokens = int(re.search(r"KV cache (\d+) tokens", server.log()).group(1))
+    n, max_new = 8, 250
+    calls = [chat_call(2000 + i % 4, "Keep going.", max_tokens=max_new, stream=i % 2 == 1) for i in range(n)]
+    peak, done = [0.0], threading.Event()
+
+    def watch() -> None:  # bounded: the load below ends within its own timeouts
+        while not done.wait(0.1):
+            peak[0] = max(peak[0], metric(server.url, "kv_cache_usage_perc"))
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
     try:
-        kv_tokens = int(re.search(r"KV cache (\d+) tokens", server.log()).group(1))
-        n, max_new = 8, 250
-        calls = [
-            chat_call(2000 + i % 4, "Keep going.", max_tokens=max_new, stream=i % 2 == 1) for i in range(n)
-        ]
-        peak, done = [0.0], threading.Event()
-
-        def watch() -> None:  # bounded: the load below ends within its own timeouts
-            while not done.wait(0.1):
-                peak[0] = max(peak[0], metric(server.url, "kv_cache_usage_perc"))
-
-        watcher = threading.Thread(target=watch, daemon=True)
-        watcher.start()
-        try:
-            outs = run_closed_loop(
-                server.url, calls.__getitem__, concurrency=n, num_requests=n, timeout_s=120
-            )
-        finally:
-            done.set()
-            watcher.join(15)
-        prompt_len = outs[0].body["usage"]["prompt_tokens"]
-        assert n * (prompt_len + max_new) > 2 * kv_tokens  # the pool holds well under half the work at once
-        assert peak[0] > 0.5, peak  # and the load did fill it
-        assert metric(server.url, "num_preemptions_total") > 0  # requests really were retracted
-        assert all(o.status == 200 for o in outs), summarize(outs)
-        assert all(tokens(o) == max_new for o in outs)  # retraction is invisible to the client
-        texts = [answer(o) for o in outs]
-        for i in range(4, n):  # identical requests, identical greedy answers, however often retracted
-            assert texts[i] == texts[i - 4]
-        settled_integrity(server.url)
+        outs = run_closed_loop(server.url, calls.__getitem__, concurrency=n, num_requests=n, timeout_s=120)
     finally:
-        assert server.stop() == 0
+        done.set()
+        watcher.join(15)
+    prompt_len = outs[0].body["usage"]["prompt_tokens"]
+    assert n * (prompt_len + max_new) > 2 * kv_tokens  # the pool holds well under half the work at once
+    assert peak[0] > 0.5, peak  # and the load did fill it
+    assert metric(server.url, "num_preemptions_total") > 0  # requests really were retracted
+    assert all(o.status == 200 for o in outs), summarize(outs)
+    assert all(tokens(o) == max_new for o in outs)  # retraction is invisible to the client
+    texts = [answer(o) for o in outs]
+    for i in range(4, n):  # identical requests, identical greedy answers, however often retracted
+        assert texts[i] == texts[i - 4]
+    settled_integrity(server.url)

@@ -23,7 +23,6 @@ from mmserve.engine.scheduler import Scheduler, SchedulerConfig
 from mmserve.server.metrics import EngineTotal, ServerMetrics, build_1_2_5_buckets
 from mmserve.server.serving import Timings
 from mmserve.server.stats_log import StatsLogger, start_stats_log
-from mmserve.testing.server_process import start_server
 from mmserve.transport.messages import StatsMsg
 
 # Every series vLLM's Grafana dashboard (examples/observability/prometheus_grafana/grafana.json) queries, and
@@ -243,20 +242,10 @@ def test_kv_usage_counts_slots_requests_hold_and_not_cached_prefixes():
 
 # -- a real server --------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def server(tiny_qwen2_vl, tmp_path_factory):
-    logs = str(tmp_path_factory.mktemp("logs"))
-    handle = start_server(
-        tiny_qwen2_vl,
-        "--kv-cache-mb",
-        "8",
-        "--log-level",
-        "info",
-        "--log-stats-interval",
-        "0.5",
-        log_dir=logs,
-    )
-    yield handle
-    assert handle.stop() == 0
+def server(shared_server):
+    """The plain server shared with other modules (tests/conftest.py): --log-level info, a stats line every
+    0.5 s; counters and the log are read as differences."""
+    return shared_server
 
 
 def scrape(url: str) -> dict[str, list]:
@@ -277,11 +266,13 @@ def total(samples: dict[str, list], name: str, **labels: str) -> float:
     return sum(s.value for s in samples[name] if labels.items() <= s.labels.items())
 
 
-def stats_lines(server) -> list[str]:
-    return re.findall(r"mmserve\.stats: (.*)", server.log())
+def stats_lines(server, since: int = 0) -> list[str]:
+    """The stats log lines written after the first `since` characters of the server's log."""
+    return re.findall(r"mmserve\.stats: (.*)", server.log()[since:])
 
 
 def test_server_exposes_the_vllm_dashboard_series(server):
+    logged = len(server.log())
     before = scrape(server.url)
     assert not [name for name in DASHBOARD_SAMPLES if name not in before]
     body = {
@@ -319,11 +310,11 @@ def test_server_exposes_the_vllm_dashboard_series(server):
     assert total(now, "prefix_cache_tokens") > 0
     # The stats log saw the work, then goes quiet once idle (one idle line).
     deadline = time.monotonic() + 20
-    while not any("Avg generation throughput: 0.0" not in line for line in stats_lines(server)):
-        assert time.monotonic() < deadline, stats_lines(server)
+    while not any("Avg generation throughput: 0.0" not in line for line in stats_lines(server, logged)):
+        assert time.monotonic() < deadline, stats_lines(server, logged)
         time.sleep(0.2)
     time.sleep(1.5)
-    quiet = len(stats_lines(server))
+    quiet = len(stats_lines(server, logged))
     time.sleep(1.5)
-    assert len(stats_lines(server)) == quiet, stats_lines(server)[-3:]
-    assert stats_lines(server)[-1].startswith("Avg prompt throughput: 0.0 tokens/s")
+    assert len(stats_lines(server, logged)) == quiet, stats_lines(server, logged)[-3:]
+    assert stats_lines(server, logged)[-1].startswith("Avg prompt throughput: 0.0 tokens/s")

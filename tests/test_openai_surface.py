@@ -13,23 +13,15 @@ import pytest
 import torch
 
 from mmserve.testing.reference import HFReference
-from mmserve.testing.server_process import start_server
 from tests.engine_helpers import reference, text_case
 
 TEXT = "a cat sat on the mat and the dog"
 
 
 @pytest.fixture(scope="module")
-def server(tiny_qwen2_vl, tmp_path_factory):
-    handle = start_server(
-        tiny_qwen2_vl,
-        "--kv-cache-mb",
-        "16",
-        "--enable-auto-tool-choice",
-        log_dir=str(tmp_path_factory.mktemp("logs")),
-    )
-    yield handle
-    assert handle.stop() == 0
+def server(shared_server):
+    """The plain server shared with other modules (tests/conftest.py); it has --enable-auto-tool-choice."""
+    return shared_server
 
 
 @pytest.fixture(scope="module")

@@ -23,6 +23,7 @@ import httpx
 import pytest
 
 from mmserve.testing.probes import settled_integrity
+from mmserve.testing.process_group import stop_all
 from mmserve.testing.server_process import start_router, start_server
 from mmserve.transport.cluster_auth import ClusterSecret
 from tests.engine_helpers import image_case, reference_text
@@ -60,8 +61,7 @@ def cluster(tiny_qwen2_vl, tmp_path_factory):
         }
         servers = {name: f.result() for name, f in futures.items()}
     yield servers, logs
-    for server in servers.values():
-        server.stop()
+    stop_all(servers.values())  # side by side (some were killed by the tests: their codes are not checked)
 
 
 def router(cluster, prefill: list[str], decode: list[str], *args: str):
@@ -127,8 +127,7 @@ def test_decode_server_that_cannot_hold_a_request_refuses_it(cluster, tiny_qwen2
             assert cluster[0]["victim"].url in r.headers["x-mmserve-route"]
         clean(cluster, "prefill", "decode", "victim")
     finally:
-        small.stop()
-        both.stop()
+        stop_all([small, both])
 
 
 def sse_events(response: httpx.Response):

@@ -6,7 +6,7 @@ naming the problem, the server staying healthy."""
 from __future__ import annotations
 
 import base64
-from concurrent.futures import ThreadPoolExecutor
+import functools
 
 import httpx
 import pytest
@@ -32,42 +32,25 @@ GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
 
 # -- fixtures ---------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def servers(tiny_qwen2_vl, tmp_path_factory):
-    """Two real tiny Qwen2-VL servers, started and stopped concurrently (start-up dominates this module).
+def servers(shared_server_process, tiny_qwen2_vl, tmp_path_factory):
+    """Two real tiny Qwen2-VL servers.
 
     "on": --enable-mm-embeds, one encoder worker, and --encoder-dispatch-min-items 2, so one server runs both
     paths: a request with one item to encode is encoded by the engine itself (monolithic), one with two or
-    more goes to the encoder (EPD); `encoded_by` in each answer tells which. "off": without the flag.
+    more goes to the encoder (EPD); `encoded_by` in each answer tells which. "off": without the flag (the
+    plain server shared with other modules, tests/conftest.py), started beside "on" if it is not up yet.
     """
     logs = str(tmp_path_factory.mktemp("logs"))
-    common = ("--kv-cache-mb", "16", "--max-media-mb", str(MAX_MEDIA_MB))
-    configs = {
-        "on": (
-            *common,
-            "--enable-mm-embeds",
-            "--limit-mm-per-prompt",
-            '{"image": 3, "video": 1}',
-            "--encoder-workers",
-            "1",
-            "--encoder-dispatch-min-items",
-            "2",
-        ),
-        "off": common,
-    }
-    with ThreadPoolExecutor(len(configs)) as pool:
-        futures = {k: pool.submit(start_server, tiny_qwen2_vl, *a, log_dir=logs) for k, a in configs.items()}
-        handles, errors = {}, []
-        for name, future in futures.items():
-            try:
-                handles[name] = future.result(timeout=240)
-            except Exception as e:  # stop the others before failing
-                errors.append(e)
-        if errors:
-            list(pool.map(lambda h: h.stop(), handles.values()))
-            raise errors[0]
-    yield handles
-    with ThreadPoolExecutor(len(handles)) as pool:
-        assert list(pool.map(lambda h: h.stop(), handles.values())) == [0] * len(handles)
+    on = (
+        *("--kv-cache-mb", "16", "--max-media-mb", str(MAX_MEDIA_MB)),
+        *("--enable-mm-embeds", "--limit-mm-per-prompt", '{"image": 3, "video": 1}'),
+        *("--encoder-workers", "1", "--encoder-dispatch-min-items", "2"),
+    )
+    off, handle = shared_server_process.get_beside(
+        functools.partial(start_server, tiny_qwen2_vl, *on, log_dir=logs)
+    )
+    yield {"on": handle, "off": off}
+    assert handle.stop() == 0
 
 
 @pytest.fixture(scope="module")

@@ -142,3 +142,42 @@ def test_finished_prompt_is_shared_while_its_request_still_runs():
         fake_step(sched)
     sched.prefix_cache.reset()
     assert sched.pool.num_used == 0
+
+
+def test_a_prefix_hit_is_not_queued_behind_a_long_miss():
+    sched = make(num_slots=400, budget=16)
+    warm = request("warm", list(range(40)), 1)
+    sched.add(warm)
+    while sched.has_work:
+        fake_step(sched)
+    miss = request("miss", [100 + i for i in range(200)], 2)  # 13 steps of prefill at 16 tokens
+    sched.add(miss)
+    fake_step(sched)
+    hit = request("hit", list(range(40)) + [7], 2)  # all but its last token cached
+    sched.add(hit)
+    chunks = {c.request.request_id: c for c in sched.schedule()}
+    assert chunks["hit"].samples  # its first token comes from this very step...
+    assert chunks["miss"].num_tokens == 16 - chunks["hit"].num_tokens  # ...and the miss keeps the rest
+
+
+def test_shortest_first_never_starves_a_long_prefill():
+    sched = make(num_slots=2000, budget=8, max_seqs=64)
+    long = request("long", [500 + i for i in range(64)], 1)
+    sched.add(long)
+    got_tokens_at = []
+    for step in range(40):  # a fresh 8-token request arrives every step: shortest first would always win
+        sched.add(request(f"short{step}", [1000 + 8 * step + i for i in range(8)], 1))
+        chunks = sched.schedule()
+        if any(c.request is long for c in chunks):
+            got_tokens_at.append(step)
+        for c in chunks:
+            if c.start < c.request.prompt_len <= c.end:
+                sched.cache_prompt(c.request)
+            if c.samples:
+                c.request.append_output(7)
+                sched.finish(c.request, "length")
+    from mmserve.engine.scheduler import STARVATION_STEPS
+
+    assert got_tokens_at and got_tokens_at[0] <= STARVATION_STEPS
+    assert all(b - a <= STARVATION_STEPS + 1 for a, b in zip(got_tokens_at, got_tokens_at[1:], strict=False))
+    assert long.finished

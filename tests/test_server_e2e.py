@@ -12,17 +12,16 @@ import pytest
 
 from mmserve.testing.probes import metric
 from mmserve.testing.reference import HFReference
-from mmserve.testing.server_process import start_server
+from tests.conftest import API_KEY
 from tests.engine_helpers import image_case, reference
 
 MAX_NEW = 10
 
 
 @pytest.fixture(scope="module")
-def server(tiny_qwen2_vl, tmp_path_factory):
-    handle = start_server(tiny_qwen2_vl, "--kv-cache-mb", "16", log_dir=str(tmp_path_factory.mktemp("logs")))
-    yield handle
-    assert handle.stop() == 0
+def server(shared_server):
+    """The plain server shared with other modules (tests/conftest.py): counters and its log as differences."""
+    return shared_server
 
 
 @pytest.fixture(scope="module")
@@ -261,29 +260,13 @@ def test_32_concurrent_requests_all_complete(client):
 
 # -- a second server: auth, body limit, capacity, disconnects --------------------------------------------
 @pytest.fixture(scope="module")
-def strict_server(tiny_qwen2_vl, tmp_path_factory):
-    handle = start_server(
-        tiny_qwen2_vl,
-        "--kv-cache-mb",
-        "16",
-        "--api-key",
-        "s3cret",
-        "--max-request-body-mb",
-        "0.05",
-        "--max-num-seqs",
-        "1",
-        "--max-media-mb",
-        "0.01",
-        "--max-waiting-requests",
-        "0",
-        "--disable-prefix-cache",
-        log_dir=str(tmp_path_factory.mktemp("logs")),
-    )
-    yield handle
-    assert handle.stop() == 0
+def strict_server(shared_keyed_process):
+    """The server with an API key and tight limits (body, item size, one sequence, no queue, no prefix cache),
+    shared with test_endpoints (tests/conftest.py)."""
+    return shared_keyed_process.get()
 
 
-AUTH = {"Authorization": "Bearer s3cret"}
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
 HELLO = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 
 
@@ -363,11 +346,12 @@ def test_fields_are_implemented_refused_or_ignored_with_a_warning(client, server
             max_tokens=2,
             extra_body={"best_of": 3},
         )
+    logged = len(server.log())  # the shared server's log: only what this request adds counts
     out = client.chat.completions.create(
         model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2, user="someone"
     )
     assert out.choices[0].finish_reason == "length"
     deadline = time.monotonic() + 5
-    while "accepted and ignored" not in server.log() and time.monotonic() < deadline:
+    while "accepted and ignored" not in server.log()[logged:] and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert "['user'] accepted and ignored" in server.log()
+    assert "['user'] accepted and ignored" in server.log()[logged:]

@@ -23,6 +23,7 @@ def _workload(args: argparse.Namespace):
         video=args.video,
         video_frames=args.video_frames,
         prompt_tokens=args.prompt_tokens,
+        system_prompt_tokens=args.system_prompt_tokens,
         output_tokens=args.output_tokens,
         seed=args.seed,
     )
@@ -101,15 +102,28 @@ def _run(args: argparse.Namespace) -> int:
 
 def _compare(args: argparse.Namespace) -> int:
     from mmserve.bench import compare, stats
+    from mmserve.bench.peer import PeerError, PeerSpec
 
     configs = {}
     for spec in args.config:
         name, _, flags = spec.partition("=")
         configs[name.strip()] = flags
+    try:
+        peers = tuple(PeerSpec.parse(spec) for spec in args.peer)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
+    names = [*configs, *(p.name for p in peers)]
+    if not names:
+        raise SystemExit("give at least one --config or --peer")
+    if len(set(names)) != len(names) or any(p.name == "hf" for p in peers):
+        raise SystemExit(f"configuration and peer names must be distinct (and a peer is not 'hf'): {names}")
     _choose_seed(args)
     slo = stats.parse_slo(args.slo) if args.slo else None
     workload, load = _workload(args), _load(args, "")
-    results = compare.compare(args.model, configs, workload, load, args.rounds, slo)
+    try:
+        results = compare.compare(args.model, configs, workload, load, args.rounds, slo, peers)
+    except PeerError as e:
+        raise SystemExit(f"bench compare: {e}") from None
     print(compare.report(results))
     _write_json(args.json, {"results": results, **_parameters(args, workload, load)})
     if args.plot:
@@ -124,18 +138,25 @@ def _engine(args: argparse.Namespace) -> int:
     from mmserve.models.loader import resolve_dtype, resolve_model_path
 
     model = resolve_model_path(args.model)
+    dtype = resolve_dtype(model, args.dtype)
+    concurrencies = [int(c) for c in args.concurrency.split(",")]
     results = engine_bench.run(
         model,
-        [int(c) for c in args.concurrency.split(",")],
+        concurrencies,
         args.num_requests,
         args.hf_requests,
         args.output_tokens,
         args.rounds,
         parse_size(args.image_size),
-        resolve_dtype(model, args.dtype),
+        dtype,
         args.kv_cache_mb,
     )
     print(engine_bench.report(results))
+    print()
+    print(engine_bench.step_report(results))
+    parameters = {**vars(args), "model": model, "dtype": dtype, "concurrency": concurrencies}
+    parameters.pop("func", None)
+    _write_json(args.json, engine_bench.to_json(results, parameters))
     return 0
 
 
@@ -190,6 +211,12 @@ def _add_workload_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--video", action="store_true", help="add one short generated video per request")
     g.add_argument("--video-frames", type=int, default=8)
     g.add_argument("--prompt-tokens", type=int, default=32)
+    g.add_argument(
+        "--system-prompt-tokens",
+        type=int,
+        default=0,
+        help="words of a system message before the media, different in every request",
+    )
     g.add_argument("--output-tokens", type=int, default=64)
     g.add_argument(
         "--seed",
@@ -252,8 +279,15 @@ def add_bench_parser(sub) -> None:
     p.add_argument(
         "--config",
         action="append",
-        required=True,
+        default=[],
         help='NAME="serve flags" (repeatable; NAME hf = plain transformers one at a time)',
+    )
+    p.add_argument(
+        "--peer",
+        action="append",
+        default=[],
+        help='NAME="shell command" starting another OpenAI-compatible server on {port} ({model}: --model), '
+        'e.g. llamacpp="llama-server -m m.gguf --mmproj p.gguf --port {port}" (repeatable; docs/llamacpp.md)',
     )
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--plot", default=None, help="write latency/throughput bars to this PNG")
@@ -263,13 +297,16 @@ def add_bench_parser(sub) -> None:
     p = bench.add_parser("engine", help="in-process engine vs HF generate one request at a time")
     add_model_arg(p)
     p.add_argument("--concurrency", default="1,4,16", help="comma-separated engine concurrencies")
-    p.add_argument("--num-requests", type=int, default=16, help="requests per engine run")
+    p.add_argument(
+        "--num-requests", type=int, default=16, help="requests per engine run (at least its concurrency)"
+    )
     p.add_argument("--hf-requests", type=int, default=4, help="requests per hf baseline run")
     p.add_argument("--output-tokens", type=int, default=32)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--image-size", default="224x224", help="WxH")
     p.add_argument("--dtype", default="auto", help="as `serve --dtype`; both sides use it")
     p.add_argument("--kv-cache-mb", type=float, default=1024)
+    p.add_argument("--json", default=None, help="write every figure (both tables, per round) here")
     p.set_defaults(func=_engine)
 
     p = bench.add_parser(

@@ -2,9 +2,10 @@
 
 `run_one`: scrape the server's metrics, drive the workload, scrape again; returns the client-side summary
 and the server-side breakdown. `compare`: launch every configuration as a real server (the name `hf` is the
-in-process plain-transformers baseline), then for each round send that round's workload (fresh images per
-round, so caches only see what the workload's own reuse gives them) to every configuration in turn, and
-report medians over rounds with ratios against the first configuration.
+in-process plain-transformers baseline) and every peer (another OpenAI server from a command line,
+mmserve.bench.peer), then for each round send that round's workload (fresh images per round, so caches only
+see what the workload's own reuse gives them) to every configuration and peer in turn, with the same client,
+and report medians over rounds with ratios against the first configuration.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 
 from mmserve.bench import client as load
 from mmserve.bench import server_metrics, stats
+from mmserve.bench.peer import PeerSpec, start_peer, stop_peer
 from mmserve.bench.workload import WorkloadConfig, build_workload
 from mmserve.testing.server_process import start_server
 
@@ -83,13 +85,19 @@ def compare(
     load_template: load.LoadConfig,
     rounds: int,
     slo: stats.SLO | None = None,
+    peers: tuple[PeerSpec, ...] = (),
 ) -> dict[str, list[dict[str, Any]]]:
+    """`peers` get the same requests and client as the configurations, asking their model of GET /v1/models
+    (or sending `load_template.model`); their server-side breakdown is skipped unless they have mmserve
+    metrics. Every server and peer started here is stopped on the way out, error or not."""
     import shlex
 
-    results: dict[str, list[dict[str, Any]]] = {name: [] for name in configs}
-    servers, baseline = {}, None
+    results: dict[str, list[dict[str, Any]]] = {name: [] for name in [*configs, *(p.name for p in peers)]}
+    servers, peer_servers, baseline = {}, {}, None
     with tempfile.TemporaryDirectory() as logs:
         try:
+            for peer in peers:
+                peer_servers[peer.name] = start_peer(peer, model_dir, logs)
             for name, flags in configs.items():
                 if name == "hf":
                     from mmserve.bench.hf_baseline import HFBaseline
@@ -104,10 +112,13 @@ def compare(
                     )
             for r in range(rounds):
                 requests = build_workload(dataclasses.replace(workload, seed=workload.seed + 1000 * r))
-                for name in configs:
+                for name in results:
                     if name == "hf":
                         traces, wall_s = baseline.run(requests)
                         summary = stats.summarize(traces, wall_s, slo).to_json()
+                    elif name in peer_servers:
+                        cfg = dataclasses.replace(load_template, url=peer_servers[name].url, progress=False)
+                        summary = result_json(*run_one(cfg, requests, slo))
                     else:
                         cfg = dataclasses.replace(
                             load_template, url=servers[name].url, model="bench", progress=False
@@ -124,6 +135,8 @@ def compare(
                         flush=True,
                     )
         finally:
+            for peer_server in peer_servers.values():
+                stop_peer(peer_server)
             for server in servers.values():
                 server.stop()
     return results

@@ -18,12 +18,14 @@ from dataclasses import dataclass, field
 import numpy as np
 from PIL import Image
 
+from mmserve.bench.step_profile import StepCost, breakdown, gemm_floor_s, timed_steps
 from mmserve.engine.kv_pool import KVPool
 from mmserve.engine.sampling_params import SamplingParams
 from mmserve.models.loader import load_model_config, parse_dtype
 from mmserve.multimodal.items import Modality
 from mmserve.testing.reference import HFReference
 
+CATEGORIES = ("gemm", "attention", "sampler", "scheduler", "other")
 PROMPT = "Describe the image in detail, then list every object you can see."
 
 
@@ -34,6 +36,17 @@ class RunResult:
     output_tokens: int
     ttft_s: list[float] = field(default_factory=list)
     decode_tokens_per_s: float = 0.0  # steady-state decode only (prefill and encode excluded)
+    step: StepCost | None = None  # engine: one decode step of `concurrency` rows against its GEMM floor
+
+    def to_json(self) -> dict:
+        return {
+            "seconds": self.seconds,
+            "output_tokens": self.output_tokens,
+            "output_tokens_per_s": self.tokens_per_s,
+            "decode_tokens_per_s": self.decode_tokens_per_s,
+            "ttft_s": self.ttft_s,
+            "decode_step": self.step.to_json() if self.step else None,
+        }
 
     @property
     def tokens_per_s(self) -> float:
@@ -82,14 +95,15 @@ def run_engine(llm, images: list[Image.Image], output_tokens: int, concurrency: 
     outputs = llm.chat([chat_messages(im) for im in images], params)
     result = RunResult(f"engine c={concurrency}", time.perf_counter() - start, output_tokens * len(images))
     assert all(len(o.token_ids) == output_tokens for o in outputs)
-    result.decode_tokens_per_s = decode_rate(llm, images[:concurrency], output_tokens)
+    result.decode_tokens_per_s, result.step = decode_rate(llm, images[:concurrency], output_tokens)
     if concurrency == 1:  # queue time is other requests' turn, not this one's latency
         result.ttft_s = [o.metrics["encode_s"] + o.metrics["prefill_s"] for o in outputs]
     return result
 
 
-def decode_rate(llm, images: list[Image.Image], output_tokens: int) -> float:
-    """Steady-state decode tokens/s with len(images) requests running: all prefilled, then timed steps."""
+def decode_rate(llm, images: list[Image.Image], output_tokens: int) -> tuple[float, StepCost]:
+    """Steady-state decode tokens/s with len(images) requests running (all prefilled, then timed steps), and
+    the cost of one such step: its median time, the GEMM floor of as many rows, and a profiled breakdown."""
     from mmserve.multimodal.messages import parse_messages
 
     engine = llm.engine
@@ -105,10 +119,15 @@ def decode_rate(llm, images: list[Image.Image], output_tokens: int) -> float:
         )
     while any(r.is_prefill for r in engine.scheduler.running) or engine.scheduler.waiting:
         engine.step()
-    start, tokens = time.perf_counter(), 0
+    profiled = min(3, max(0, output_tokens - 4))  # the last steps; every request is still decoding
+    times = timed_steps(engine, output_tokens - 1 - profiled)  # the first output came with the prefill
+    step_s = statistics.median(times)
+    parts = breakdown(engine, profiled, step_s) if profiled else {}
     while engine.has_work:
-        tokens += len(engine.step())
-    return tokens / (time.perf_counter() - start)
+        engine.step()
+    floor = gemm_floor_s(llm.engine.runner, len(images))
+    cost = StepCost(len(images), step_s * 1e3, floor * 1e3, parts)
+    return len(images) / step_s, cost
 
 
 def run(
@@ -136,7 +155,7 @@ def run(
     seed = 0
     for r in range(rounds):
         for name in ["hf"] + [f"engine c={c}" for c in concurrencies]:
-            count = hf_requests if name == "hf" else num_requests
+            count = hf_requests if name == "hf" else max(num_requests, int(name.split("=")[1]))
             images = [make_image(seed + i, image_size) for i in range(count)]
             seed += count
             if name == "hf":
@@ -170,3 +189,42 @@ def report(results: dict[str, list[RunResult]]) -> str:
             f"| {name} | {tps:.1f} | {tps / base:.2f}x | {decode:.1f} | {decode / base_decode:.2f}x | {ttft_cells} |"
         )
     return "\n".join(lines)
+
+
+def step_report(results: dict[str, list[RunResult]]) -> str:
+    """The decode step of each engine configuration against its GEMM floor (medians over rounds)."""
+    lines = [
+        "| configuration | step ms | GEMM floor ms | step / floor | GEMM | attention | sampler | scheduler | other |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, runs in results.items():
+        costs = [r.step for r in runs if r.step is not None]
+        if not costs:
+            continue
+        step = statistics.median(c.step_ms for c in costs)
+        floor = statistics.median(c.gemm_floor_ms for c in costs)
+        parts = [statistics.median(c.breakdown_ms.get(k, 0.0) for c in costs) for k in CATEGORIES]
+        cells = " | ".join(f"{p:.1f}" for p in parts)
+        lines.append(f"| {name} | {step:.1f} | {floor:.1f} | {step / floor:.2f}x | {cells} |")
+    return "\n".join(lines)
+
+
+def to_json(results: dict[str, list[RunResult]], parameters: dict) -> dict:
+    """Every figure of both tables, per configuration and round, with the ratios against `hf` (medians)."""
+    base = statistics.median(r.tokens_per_s for r in results["hf"])
+    base_decode = statistics.median(r.decode_tokens_per_s for r in results["hf"])
+    summary = {}
+    for name, runs in results.items():
+        tps = statistics.median(r.tokens_per_s for r in runs)
+        decode = statistics.median(r.decode_tokens_per_s for r in runs)
+        summary[name] = {
+            "output_tokens_per_s": tps,
+            "output_vs_hf": tps / base,
+            "decode_tokens_per_s": decode,
+            "decode_vs_hf": decode / base_decode,
+        }
+        steps = [r.step.over_floor for r in runs if r.step is not None]
+        if steps:
+            summary[name]["step_over_gemm_floor"] = statistics.median(steps)
+    rounds = {name: [r.to_json() for r in runs] for name, runs in results.items()}
+    return {"parameters": parameters, "summary": summary, "rounds": rounds}

@@ -62,6 +62,9 @@ class WorkloadConfig:
     video_frames: int = 8
     video_size: tuple[int, int] = (224, 224)  # (W, H); even, as yuv420p needs
     prompt_tokens: int = 32  # approximate: words of filler text
+    system_prompt_tokens: int = (
+        0  # approximate: words of a system message of its own per request (before media)
+    )
     output_tokens: int = 64
     seed: int = 0
 
@@ -83,8 +86,8 @@ class WorkloadConfig:
             raise ValueError(f"video_frames must be >= 1, got {self.video_frames}")
         if self.video and any(d < 2 or d % 2 for d in self.video_size):
             raise ValueError(f"video_size must be even and >= 2 in both dimensions, got {self.video_size}")
-        if self.prompt_tokens < 0 or self.output_tokens < 1:
-            raise ValueError("prompt_tokens must be >= 0 and output_tokens >= 1")
+        if self.prompt_tokens < 0 or self.system_prompt_tokens < 0 or self.output_tokens < 1:
+            raise ValueError("prompt_tokens and system_prompt_tokens must be >= 0, output_tokens >= 1")
 
 
 @dataclass
@@ -119,6 +122,9 @@ def build_workload(cfg: WorkloadConfig) -> list[BenchRequest]:
             parts.append({"type": "video_url", "video_url": {"url": _video_uri(cfg, i)}})
         parts.append({"type": "text", "text": _prompt_text(rng, i, cfg.prompt_tokens)})
         messages = [{"role": "user", "content": parts}]
+        if cfg.system_prompt_tokens:  # its own per request: text before the media that no cache holds
+            words = [rng.choice(_WORDS) for _ in range(cfg.system_prompt_tokens)]
+            messages.insert(0, {"role": "system", "content": " ".join([f"Session {i}.", *words])})
         requests.append(BenchRequest(i, messages, cfg.output_tokens, keys, sizes))
     return requests
 

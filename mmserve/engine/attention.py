@@ -1,9 +1,14 @@
 """Attention over our KV pool, plugged into transformers' language model through AttentionInterface.
 
 The runner passes `mm_attn=AttentionMetadata(...)` to `language_model(...)`; HF forwards it unchanged to
-this function for every layer. Per layer: write the new tokens' K/V into the pool at their slots, then,
-per request, gather its slots and run SDPA. Causal masks are BOTTOM-RIGHT aligned: a chunk of q tokens at
-the end of kv cached tokens sees all earlier tokens (SDPA's `is_causal` is top-left, right only for q == kv).
+this function for every layer. Per layer: write the new tokens' K/V into the pool at their slots, then
+attend in two groups, both built once per step (not per layer):
+- every one-row query (decodes, and a prefix hit's last prompt token) in ONE batched SDPA call: their slots
+  padded to the longest into a `(B, L)` index, a key mask where lengths differ. One call instead of one per
+  request per layer was the largest overhead of a decode step (24 layers x 64 requests = 1,536 calls).
+- longer chunks (prefills) one SDPA call each, on views of one gather for all of them. Their causal masks are
+  BOTTOM-RIGHT aligned: a chunk of q tokens at the end of kv cached tokens sees all earlier tokens (SDPA's
+  `is_causal` is top-left, right only for q == kv).
 Without `mm_attn` it falls back to HF's SDPA so the same model can still run `generate` as a reference.
 """
 
@@ -34,18 +39,61 @@ class SeqAttention:
 
 
 @dataclass
+class DecodeGroup:
+    """Every one-row query of a step, attended in one call."""
+
+    rows: torch.Tensor | slice  # their query rows in the packed batch (a slice when consecutive)
+    slots: torch.Tensor  # int64 (B, L): each row's KV slots, padded with slot 0 past its length
+    mask: torch.Tensor | None  # bool (B, 1, 1, L), True where a slot is the row's; None if none is padded
+
+    @staticmethod
+    def make(rows: list[int], kv_slots: list[torch.Tensor], device: torch.device) -> DecodeGroup:
+        lengths = [s.shape[0] for s in kv_slots]
+        longest = max(lengths)
+        if min(lengths) == longest:
+            slots, mask = torch.stack(kv_slots), None
+        else:
+            slots = torch.nn.utils.rnn.pad_sequence(kv_slots, batch_first=True)
+            mask = torch.arange(longest) < torch.tensor(lengths).unsqueeze(1)
+            mask = mask[:, None, None, :].to(device)
+        consecutive = rows == list(range(rows[0], rows[0] + len(rows)))
+        where = slice(rows[0], rows[0] + len(rows)) if consecutive else torch.tensor(rows, device=device)
+        return DecodeGroup(where, slots.to(device), mask)
+
+
+@dataclass
 class AttentionMetadata:
     k_cache: list[torch.Tensor]  # per layer (num_slots, num_kv_heads, head_dim)
     v_cache: list[torch.Tensor]
     new_slots: torch.Tensor  # int64 (total_tokens,): slot of every packed token
-    seqs: list[SeqAttention]
+    seqs: list[SeqAttention]  # the queries of more than one row (prefill chunks), each attended on its own
+    decode: DecodeGroup | None = None  # the one-row queries
+    num_rows: int = 0  # total packed query rows
 
     def __post_init__(self) -> None:
-        # One gather per layer for the whole batch is much cheaper than one per request; each request then
+        # One gather per layer for all prefill chunks is much cheaper than one per request; each request then
         # reads its rows of the gathered block as a view. Offsets into that block:
-        self.kv_slots = torch.cat([s.kv_slots for s in self.seqs])
         lengths = [s.kv_slots.shape[0] for s in self.seqs]
+        self.kv_slots = torch.cat([s.kv_slots for s in self.seqs]) if self.seqs else None
         self.kv_offsets = [sum(lengths[:i]) for i in range(len(lengths))]
+
+    @classmethod
+    def build(cls, k_cache, v_cache, new_slots, seqs: list[SeqAttention], device) -> AttentionMetadata:
+        """Split `seqs` (in row order) into the decode group and the chunks attended one by one."""
+        ones = [s for s in seqs if s.q_len == 1]
+        decode = (
+            DecodeGroup.make([s.q_start for s in ones], [s.kv_slots for s in ones], device) if ones else None
+        )
+        rest = [s for s in seqs if s.q_len > 1]
+        if torch.device(device).type != "cpu":  # slot ids and masks are built on the CPU
+            rest = [
+                SeqAttention(s.q_start, s.q_len, s.kv_slots.to(device), _to(s.mask, device)) for s in rest
+            ]
+        return cls(k_cache, v_cache, new_slots, rest, decode, sum(s.q_len for s in seqs))
+
+
+def _to(mask: torch.Tensor | None, device) -> torch.Tensor | None:
+    return None if mask is None else mask.to(device)
 
 
 def pool_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -60,20 +108,44 @@ def pool_attention(module, query, key, value, attention_mask, scaling=None, drop
     # query (1, H, T, D); key/value (1, Hkv, T, D) with RoPE applied -> pool rows (T, Hkv, D)
     k_cache.index_copy_(0, meta.new_slots, key[0].transpose(0, 1).to(k_cache.dtype))
     v_cache.index_copy_(0, meta.new_slots, value[0].transpose(0, 1).to(v_cache.dtype))
+    decoded = _decode_attention(query, k_cache, v_cache, meta.decode, scaling) if meta.decode else None
+    if not meta.seqs:  # a pure decode step, rows 0..B-1 in order: (B, H, 1, D) -> (1, B, H, D)
+        return decoded.transpose(1, 2).reshape(1, meta.num_rows, decoded.shape[1], decoded.shape[3]), None
+    out = query.new_empty(1, meta.num_rows, query.shape[1], query.shape[3])
+    if decoded is not None:
+        out[0, meta.decode.rows] = decoded[:, :, 0]
     k_all = k_cache.index_select(0, meta.kv_slots).transpose(0, 1)  # (Hkv, sum kv, D)
     v_all = v_cache.index_select(0, meta.kv_slots).transpose(0, 1)
-    outputs = []
     for seq, offset in zip(meta.seqs, meta.kv_offsets, strict=True):
         q = query[:, :, seq.q_start : seq.q_start + seq.q_len]
         kv_len = seq.kv_slots.shape[0]
         k = k_all[:, offset : offset + kv_len].unsqueeze(0)  # (1, Hkv, kv, D)
         v = v_all[:, offset : offset + kv_len].unsqueeze(0)
-        causal = seq.mask is None and seq.q_len > 1  # fresh prefill: q == kv, top-left == bottom-right
-        out = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=seq.mask,
-                                             is_causal=causal, scale=scaling, enable_gqa=True)  # fmt: skip
-        outputs.append(out)
-    # (1, H, T, D) -> (1, T, H, D): HF expects the transposed layout; the other one is silently wrong.
-    return torch.cat(outputs, dim=2).transpose(1, 2).contiguous(), None
+        causal = seq.mask is None  # fresh prefill: q == kv, top-left == bottom-right
+        o = F.scaled_dot_product_attention(
+            q,
+            k.to(q.dtype),
+            v.to(q.dtype),
+            attn_mask=seq.mask,
+            is_causal=causal,
+            scale=scaling,
+            enable_gqa=True,
+        )
+        # (1, H, q, D) -> rows (q, H, D): HF expects (1, T, H, D); the other layout is silently wrong.
+        out[0, seq.q_start : seq.q_start + seq.q_len] = o[0].transpose(0, 1)
+    return out, None
+
+
+def _decode_attention(query, k_cache, v_cache, group: DecodeGroup, scaling) -> torch.Tensor:
+    """(B, H, 1, D): each one-row query against its own slots, in one call."""
+    b, length = group.slots.shape
+    q = query[0, :, group.rows].transpose(0, 1).unsqueeze(2)  # (B, H, 1, D)
+    flat = group.slots.view(-1)
+    k = k_cache.index_select(0, flat).view(b, length, *k_cache.shape[1:]).transpose(1, 2)  # (B, Hkv, L, D)
+    v = v_cache.index_select(0, flat).view(b, length, *v_cache.shape[1:]).transpose(1, 2)
+    return F.scaled_dot_product_attention(
+        q, k.to(q.dtype), v.to(q.dtype), attn_mask=group.mask, scale=scaling, enable_gqa=True
+    )
 
 
 def register_attention() -> str:

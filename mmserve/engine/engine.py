@@ -10,6 +10,7 @@ request produced. Single-threaded: the owner calls `add_request`, `abort` and `s
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import logging
 import os
 from dataclasses import dataclass
@@ -17,13 +18,13 @@ from dataclasses import dataclass
 import torch
 
 from mmserve.config import EngineConfig, ModelConfig
-from mmserve.engine.cache_salt import check_cache_salt
+from mmserve.engine.cache_salt import check_cache_salt, prefix_key
 from mmserve.engine.kv_pool import KVPool
 from mmserve.engine.logits_processors import RowState
 from mmserve.engine.logprobs import TokenLogprobs, token_logprobs
 from mmserve.engine.model_runner import ModelRunner
 from mmserve.engine.radix_cache import NoPrefixCache, RadixCache
-from mmserve.engine.request import Request, choice_id
+from mmserve.engine.request import Request, choice_id, text_prefill_id
 from mmserve.engine.sampler import Sampler, make_generator
 from mmserve.engine.sampling_params import SamplingParams
 from mmserve.engine.scheduler import Scheduler, SchedulerConfig
@@ -33,6 +34,7 @@ from mmserve.multimodal.embedding import PlacedEmbedding
 from mmserve.multimodal.items import ItemEmbedding, MultimodalItem
 
 logger = logging.getLogger(__name__)
+MIN_OVERLAP_TOKENS = 16  # shorter text before the first item is not worth an extra request
 
 
 class BatchFailed(RuntimeError):
@@ -55,6 +57,14 @@ class StepOutput:
     prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
+def _label(name: str):
+    """A profiler label (`mmserve bench engine`'s step breakdown), free when no profiler runs: a label costs
+    tens of microseconds even then."""
+    if torch.autograd._profiler_enabled():
+        return torch.profiler.record_function(name)
+    return contextlib.nullcontext()
+
+
 def available_memory_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
@@ -66,12 +76,15 @@ def available_memory_bytes(device: torch.device) -> int:
 
 
 def build_kv_pool(cfg: EngineConfig, model: ModelConfig) -> KVPool:
+    """`--kv-cache-mb` if given; else room for `max_num_seqs` requests of `max_model_len` tokens each, capped
+    at `kv_cache_memory_fraction` of the memory available now (a tiny model gets megabytes, not gigabytes)."""
     device, dtype = torch.device(cfg.device), parse_dtype(cfg.dtype)
+    per_token = KVPool.bytes_per_token(model.num_layers, model.num_kv_heads, model.head_dim, dtype)
     if cfg.kv_cache_mb is not None:
         budget = int(cfg.kv_cache_mb * 1024 * 1024)
     else:
-        budget = int(available_memory_bytes(device) * cfg.kv_cache_memory_fraction)
-    per_token = KVPool.bytes_per_token(model.num_layers, model.num_kv_heads, model.head_dim, dtype)
+        cap = int(available_memory_bytes(device) * cfg.kv_cache_memory_fraction)
+        budget = min(cap, per_token * model.max_model_len * cfg.max_num_seqs)
     if budget < per_token:
         raise ValueError(f"KV cache budget of {budget} bytes holds no token ({per_token} bytes per token)")
     return KVPool.from_budget(budget, model.num_layers, model.num_kv_heads, model.head_dim, dtype, device)
@@ -116,6 +129,7 @@ class Engine:
         items: list[ItemEmbedding],
         cache_salt: str | None = None,
         handoff: object | None = None,
+        prefill_only: bool = False,
     ) -> Request:
         """Queue a request whose prompt has one placeholder token per item; `items` in prompt order.
 
@@ -184,15 +198,43 @@ class Engine:
                     group_id=request_id,
                     index=i,
                     matcher=matchers[i] if matchers else None,
+                    prefill_only=prefill_only,
                 )
             )
         for req in choices:
             self.requests[req.request_id] = req
-        self.scheduler.add(choices[0])
+        text = self.requests.get(text_prefill_id(request_id))
+        if text is not None:  # its text is being prefilled: it joins when that is cached, and reuses it
+            self.held.setdefault(text.group_id, []).append(choices[0])
+        else:
+            self.scheduler.add(choices[0])
         if params.n > 1:
             self.groups[request_id] = choices
             self.held[request_id] = choices[1:]
         return choices[0]
+
+    def prefill_text_before_media(
+        self, request_id: str, prompt_token_ids: list[int], cache_salt: str | None = None
+    ) -> bool:
+        """Encode-prefill overlap: while a request's media are encoded, prefill its text before the first item
+        into the prefix cache, as an internal request (`text_prefill_id`) that samples nothing. The request,
+        once added with its items, waits for that prefill and reuses it: the same KV as computing it in one go
+        (positions before the first item do not depend on the items). Returns whether one was queued: not
+        for a short text, an already cached one, or without a prefix cache."""
+        placeholders = set(getattr(self.family, "placeholders", {}).values())
+        cut = next((i for i, t in enumerate(prompt_token_ids) if t in placeholders), 0)
+        cache = self.scheduler.prefix_cache
+        if cut < MIN_OVERLAP_TOKENS or isinstance(cache, NoPrefixCache) or request_id in self.requests:
+            return False
+        text = prompt_token_ids[:cut]
+        if cache.cached_len(prefix_key(text, cache_salt)) >= cut - 1:
+            return False
+        params = SamplingParams(temperature=0, max_tokens=1)
+        try:
+            self.add_request(text_prefill_id(request_id), text, params, [], cache_salt, prefill_only=True)
+        except ValueError:  # too long for the context or the pool: the request itself will say so
+            return False
+        return True
 
     def _check_vocab(self, params: SamplingParams) -> None:
         vocab = self.model_config.vocab_size
@@ -223,8 +265,10 @@ class Engine:
         apply_grammar_masks(logits, matchers)
 
     def abort(self, request_id: str, reason: str = "abort") -> None:
-        """End a request (all of its choices, given the group id) now, freeing all it holds. Unknown or
-        finished ids are ignored."""
+        """End a request (all of its choices, given the group id, and its text prefill) now, freeing all it
+        holds. Unknown or finished ids are ignored."""
+        if not request_id.endswith("~text"):
+            self.abort(text_prefill_id(request_id), reason)
         group = self.groups.pop(request_id, None)
         self.held.pop(request_id, None)
         for req in group or [self.requests.get(request_id)]:
@@ -256,7 +300,8 @@ class Engine:
     def step(self) -> list[StepOutput]:
         """One forward over the next batch. Raises BatchFailed (its requests already ended) if the forward or
         the sampler fails: one bad batch must not take the whole engine down."""
-        chunks = self.scheduler.schedule()
+        with _label("mmserve::schedule"):
+            chunks = self.scheduler.schedule()
         if not chunks:
             return []
         try:
@@ -274,13 +319,17 @@ class Engine:
         for chunk in chunks:  # share finished prompts now, not at the end: concurrent requests reuse them
             if chunk.start < chunk.request.prompt_len <= chunk.end:
                 self.scheduler.cache_prompt(chunk.request)
+                if chunk.request.prefill_only:  # a text prefill is done once its KV is in the cache
+                    self.scheduler.finish(chunk.request, "prefilled")
+                    self.requests.pop(chunk.request.request_id, None)
                 self._release_held(chunk.request)
         for i, logits in out.prompt_logits.items():
             self._add_prompt_logprobs(chunks[i], logits)
         sampled_reqs = [c.request for c in chunks if c.samples]
         eos = self.model_config.eos_token_ids
         rows = [RowState(r.params, r.prompt_token_set, r.output_ids, r.matcher, eos) for r in sampled_reqs]
-        result = self.sampler.sample(out.logits, rows, [r.generator for r in sampled_reqs])
+        with _label("mmserve::sample"):
+            result = self.sampler.sample(out.logits, rows, [r.generator for r in sampled_reqs])
         outputs = []
         for req, token, lp in zip(sampled_reqs, result.token_ids, result.logprobs, strict=True):
             req.append_output(token)

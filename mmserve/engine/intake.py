@@ -101,6 +101,11 @@ class Intake:
     # -- inputs from the API server ---------------------------------------------------------------
     def generate(self, req: m.GenerateReq) -> list:
         self.requests[req.request_id] = (req, time.perf_counter())
+        cfg = self.engine.cfg
+        encodes = to_encode(req.media) and (req.num_parts > 0 or self.encoder is not None)
+        if cfg.encode_prefill_overlap and encodes and req.sampling.prompt_logprobs is None:
+            # the text before the first item is prefilled while the media encode (or their parts travel)
+            self.engine.prefill_text_before_media(req.request_id, list(req.prompt_token_ids), req.cache_salt)
         if req.num_parts == 0:
             if to_encode(req.media) and self.encoder is None:
                 self.requests.pop(req.request_id)
@@ -213,7 +218,10 @@ class Intake:
                 if self.requests.pop(o.request_id, None) is not None:
                     out.append(m.ErrorMsg(o.request_id, o.failure))
                 continue
-            out += self._admit(o.request_id, o.items, None, sorted(set(o.encoders)), o.cache_hits)
+            encoders = sorted(set(o.encoders))
+            out += self._admit(
+                o.request_id, o.items, None, encoders, o.cache_hits, o.item_encoders, o.transfer_s
+            )
         return out
 
     def _admit(
@@ -223,6 +231,8 @@ class Intake:
         timings: EncodeTimings | None,
         encoded_by: list[str],
         part_hits: int = 0,
+        item_encoders: list[str] | None = None,  # EPD: per item to encode; else all `encoded_by[0]`
+        transfer_s: float = 0.0,
     ) -> list:
         entry = self.requests.pop(rid, None)
         if entry is None:  # aborted meanwhile
@@ -252,7 +262,10 @@ class Intake:
         engine_req.encode_timings = timings
         waited = time.perf_counter() - arrived
         hits = timings.hits if timings is not None else part_hits
-        engine_req.accepted = m.AcceptedMsg(rid, engine_req.prompt_len, waited, len(items), hits, encoded_by)
+        per_item = item_encoders if item_encoders is not None else encoded_by[:1] * len(result)
+        engine_req.accepted = m.AcceptedMsg(
+            rid, engine_req.prompt_len, waited, len(items), hits, encoded_by, per_item, transfer_s
+        )
         return [engine_req.accepted]
 
     def check_integrity(self) -> None:

@@ -36,7 +36,7 @@ class ScheduledChunk:
 
     @property
     def samples(self) -> bool:
-        return self.end == len(self.request.token_ids)
+        return self.end == len(self.request.token_ids) and not self.request.prefill_only
 
 
 @dataclass
@@ -74,17 +74,25 @@ class ModelRunner:
     @torch.no_grad()
     def forward(self, chunks: list[ScheduledChunk], pool: KVPool) -> ForwardOutput:
         """KV of every chunk token is written to the pool; returns the logits (num_sampling_chunks, vocab) fp32
-        of the sampled rows, and the logits of the prompt rows of requests that want `prompt_logprobs`."""
-        embeds, positions, new_slots, seqs, sample_rows = [], [], [], [], []
+        of the sampled rows, and the logits of the prompt rows of requests that want `prompt_logprobs`.
+
+        Rows: prompt chunks first, in order, then every output token being decoded, as one block built with
+        a few batched ops (per-request Python on a decode step is one slice of its slot buffer)."""
+        decodes = [i for i, c in enumerate(chunks) if c.num_tokens == 1 and c.start >= c.request.prompt_len]
+        is_decode = set(decodes)
+        embeds, positions, new_slots, seqs = [], [], [], []
+        first_row: dict[int, int] = {}  # chunk index -> its first row
         prompt_rows: list[
             tuple[int, int, int]
         ] = []  # (chunk index, first row, rows) predicting prompt tokens
         extra_positions: list[torch.Tensor] = []
         extra_rows: dict[str, list[torch.Tensor]] = {}
         row = 0
-        for chunk in chunks:
+        for i, chunk in enumerate(chunks):
+            if i in is_decode:
+                continue
             req, n = chunk.request, chunk.num_tokens
-            ids = torch.tensor(req.token_ids[chunk.start : chunk.end], dtype=torch.int64)
+            ids = torch.tensor(req.token_ids[chunk.start : chunk.end], dtype=torch.int64, device=self.device)
             extras = ChunkExtras() if self.family.extra_dims else None
             embeds.append(splice_chunk(ids, chunk.start, self.embed_tokens, req.embeddings, extras))
             if extras is not None and extras.positions:
@@ -96,11 +104,25 @@ class ModelRunner:
             seqs.append(SeqAttention.make(row, n, req.slot_buffer[: chunk.end]))
             if req.params.prompt_logprobs is not None and chunk.start < req.prompt_len - 1:
                 # row j predicts token start + j + 1: the rows up to the prompt's second-to-last token
-                prompt_rows.append((len(seqs) - 1, row, min(chunk.end, req.prompt_len - 1) - chunk.start))
+                prompt_rows.append((i, row, min(chunk.end, req.prompt_len - 1) - chunk.start))
+            first_row[i] = row
             row += n
-            if chunk.samples:
-                sample_rows.append(row - 1)
-        meta = AttentionMetadata(pool.k_cache, pool.v_cache, torch.cat(new_slots).to(self.device), seqs)
+        if decodes:
+            reqs = [chunks[i].request for i in decodes]
+            steps = [chunks[i].start for i in decodes]
+            ids = torch.tensor([r.token_ids[s] for r, s in zip(reqs, steps, strict=True)], dtype=torch.int64)
+            embeds.append(self.embed_tokens(ids.to(self.device)))
+            tail = torch.tensor([s + r.rope_delta for r, s in zip(reqs, steps, strict=True)])
+            positions.append(tail.expand(self.family.position_rows, -1))
+            kv = [r.slot_buffer[: s + 1] for r, s in zip(reqs, steps, strict=True)]
+            new_slots += [k[-1:] for k in kv]
+            for j, (i, slots) in enumerate(zip(decodes, kv, strict=True)):
+                first_row[i] = row + j
+                seqs.append(SeqAttention(row + j, 1, slots, None))
+            row += len(decodes)
+        meta = AttentionMetadata.build(
+            pool.k_cache, pool.v_cache, torch.cat(new_slots).to(self.device), seqs, self.device
+        )
         inputs = torch.cat(embeds).unsqueeze(0).to(self.device, self.dtype)  # (1, T, hidden)
         pos = torch.cat(positions, dim=1).to(self.device)  # (rows, T)
         # HF text models take (batch, T) for plain RoPE and (3, batch, T) for M-RoPE.
@@ -115,4 +137,9 @@ class ModelRunner:
         )
         last = hidden.last_hidden_state[0]
         prompt_logits = {i: self.lm_head(last[r : r + n]).float() for i, r, n in prompt_rows}
-        return ForwardOutput(self.lm_head(last[sample_rows]).float(), prompt_logits)
+        sample_rows = [first_row[i] + c.num_tokens - 1 for i, c in enumerate(chunks) if c.samples]
+        if sample_rows == list(range(row - len(sample_rows), row)):  # a slice, not a gather copy
+            picked = last[row - len(sample_rows) :]
+        else:
+            picked = last[sample_rows]
+        return ForwardOutput(self.lm_head(picked).float(), prompt_logits)

@@ -40,6 +40,7 @@ class PrefixCache(Protocol):
     """What the engine needs from a prefix cache; `RadixCache` documents each method's contract."""
 
     def match(self, tokens: Sequence[int]) -> MatchResult: ...
+    def cached_len(self, tokens: Sequence[int]) -> int: ...
     def lock(self, handle: object) -> None: ...
     def unlock(self, handle: object) -> None: ...
     def insert(self, tokens: Sequence[int], slots: torch.Tensor) -> int: ...
@@ -107,6 +108,20 @@ class RadixCache:
         """
         node, _, parts = self._descend(tokens)
         return MatchResult(slots=torch.cat(parts) if parts else _empty_slots(), handle=node)
+
+    def cached_len(self, tokens: Sequence[int]) -> int:
+        """How many leading `tokens` are cached, changing nothing (no split, no LRU stamp): a scheduling hint."""
+        node, matched = self._root, 0
+        while matched < len(tokens):
+            child = node.children.get(tokens[matched])
+            if child is None:
+                break
+            common = _common_prefix_len(child.key, tokens, matched)
+            matched += common
+            if common < len(child.key):
+                break
+            node = child
+        return matched
 
     def lock(self, handle: object) -> None:
         """Protect the path root..handle from eviction (one more lock on each node of it). `handle` must
@@ -270,6 +285,9 @@ class NoPrefixCache:
     def match(self, tokens: Sequence[int]) -> MatchResult:
         """Always the empty prefix. Mutates nothing."""
         return MatchResult(slots=_empty_slots(), handle=None)
+
+    def cached_len(self, tokens: Sequence[int]) -> int:
+        return 0
 
     def lock(self, handle: object) -> None:
         """No-op."""

@@ -29,6 +29,8 @@ class Complete:
     items: list[ItemEmbedding]  # in prompt order
     encoders: list[str]  # who computed each part
     cache_hits: int = 0  # items the encoders found in their caches
+    item_encoders: list[str] = field(default_factory=list)  # who computed each item, in prompt order
+    transfer_s: float = 0.0  # the last part's send (encoder's wall clock) to its arrival here
 
 
 @dataclass
@@ -133,12 +135,17 @@ class PartAssembler:
             return [self._fail(rid, failure)]
         del self._pending[rid]
         self._mark_finished(rid)
+        owner = {it.item_index: pending.encoders[p] for p, part in pending.parts.items() for it in part}
+        # A locally encoded part (failover) has no send time; a remote clock may be skewed: never below 0.
+        transfer_s = max(0.0, time.time() - header.sent_at) if header.sent_at else 0.0
         return [
             Complete(
                 rid,
                 [it.item for it in got],
                 [pending.encoders[i] for i in sorted(pending.encoders)],
                 pending.cache_hits,
+                [owner[it.item_index] for it in got],
+                transfer_s,
             )
         ]
 

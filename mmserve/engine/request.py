@@ -20,6 +20,11 @@ from mmserve.multimodal.embedding import PlacedEmbedding
 from mmserve.multimodal.items import MultimodalItem
 
 
+def text_prefill_id(request_id: str) -> str:
+    """The engine's id of the internal request prefilling `request_id`'s text before its media (overlap)."""
+    return f"{request_id}~text"
+
+
 def choice_id(group_id: str, index: int) -> str:
     """The engine's id of choice `index` of an n > 1 request."""
     return f"{group_id}#{index}"
@@ -50,6 +55,9 @@ class Request:
     group_id: str = ""  # n > 1: the API request this choice belongs to ("" = request_id)
     index: int = 0  # the choice's index in its group
     matcher: object | None = None  # structured outputs: mmserve.engine.grammar.GrammarMatcher
+    prefill_only: bool = (
+        False  # internal (encode-prefill overlap): compute the prompt into the cache, no token
+    )
 
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None
@@ -60,6 +68,8 @@ class Request:
     num_cached_tokens: int = 0  # prompt tokens reused from the prefix cache at first admission
     prefix_handle: object | None = None  # locked radix node while running
     num_retractions: int = 0
+    passed_over: int = 0  # steps it wanted prefill budget and got none, until its prefill completes (aging)
+    uncached_estimate: int | None = None  # waiting: tokens left after its prefix cache hit, estimated once
     encode_timings: object | None = None  # EncodeTimings of the in-process encoder, if it encoded
     accepted: object | None = None  # the AcceptedMsg the intake sent (a handoff passes it on)
 

@@ -1,7 +1,13 @@
 """Continuous batching: which tokens of which requests the next forward computes.
 
-Policy (one line): continue running prefills, then admit waiting requests, then give every decoding
-request one token, all within `max_num_batched_tokens`; chunks may stop anywhere (inside an image too).
+Policy, within `max_num_batched_tokens` per step; chunks may stop anywhere (inside an image too):
+1. every decoding request gets its next token (one row each: decodes never wait behind prefills);
+2. the rest of the budget goes to prefills, shortest remaining first: running prefills and the first
+   `LOOKAHEAD` waiting requests compete on the tokens they still have to compute (a waiting request's prefix
+   cache hit counted off, estimated once). So a request whose prompt is mostly cached gets its first token in
+   the next step even while a long miss is prefilling, instead of after it. Starvation is bounded: a request
+   passed over for `STARVATION_STEPS` steps goes first (oldest first) until its prefill is done, and a
+   running prefill always gets whatever budget is left.
 
 Slot ownership (see kv_pool / radix_cache):
 | holder          | owns                                                       | released by            |
@@ -38,6 +44,9 @@ from mmserve.engine.kv_pool import KVPool
 from mmserve.engine.model_runner import ScheduledChunk
 from mmserve.engine.radix_cache import PrefixCache
 from mmserve.engine.request import Request, RequestStatus
+
+LOOKAHEAD = 16  # waiting requests considered per step (beyond them: first come, first served)
+STARVATION_STEPS = 8  # steps a prefill may be passed over before it goes first
 
 
 @dataclass(frozen=True)
@@ -98,22 +107,45 @@ class Scheduler:
         """Pick the next batch; allocates the slots of every scheduled token (and advances num_computed)."""
         batch: dict[str, ScheduledChunk] = {}
         budget = self.cfg.max_num_batched_tokens
-        for req in [r for r in self.running if r.is_prefill]:
+        for req in [r for r in self.running if not r.is_prefill]:
             if budget == 0:
                 break
             if req.status == RequestStatus.RUNNING:  # not retracted by an earlier _grow of this loop
-                budget -= self._grow(req, min(req.remaining, budget), batch)
-        while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
-            req = self.waiting[0]
-            if not self._admit(req, budget, batch):
-                break
-            budget -= batch[req.request_id].num_tokens
-        for req in [r for r in self.running if not r.is_prefill and r.request_id not in batch]:
+                budget -= self._grow(req, 1, batch)
+        candidates = [r for r in self.running if r.is_prefill] + list(self.waiting)[:LOOKAHEAD]
+        candidates.sort(key=self._prefill_priority)
+        admitting = True
+        for req in candidates:
             if budget == 0:
                 break
             if req.status == RequestStatus.RUNNING:
-                budget -= self._grow(req, 1, batch)
+                budget -= self._grow(req, min(req.remaining, budget), batch)
+            elif (
+                admitting
+                and req.status == RequestStatus.WAITING
+                and len(self.running) < self.cfg.max_num_seqs
+            ):
+                if self._admit(req, budget, batch):
+                    budget -= batch[req.request_id].num_tokens
+                else:
+                    admitting = False  # no memory: later ones would not fit either
+        for req in candidates:  # aging: whoever got nothing moves toward the front, and stays until prefilled
+            chunk = batch.get(req.request_id)
+            if chunk is None:
+                req.passed_over += 1
+            elif chunk.samples:
+                req.passed_over = 0
         return list(batch.values())
+
+    def _prefill_priority(self, req: Request) -> tuple:
+        if req.passed_over >= STARVATION_STEPS:
+            return (0, req.arrival_time)
+        if req.status == RequestStatus.WAITING:
+            if req.uncached_estimate is None:
+                cached = self.prefix_cache.cached_len(req.cache_key(len(req.token_ids) - 1))
+                req.uncached_estimate = len(req.token_ids) - cached
+            return (1, req.uncached_estimate, req.arrival_time)
+        return (1, req.remaining, req.arrival_time)
 
     def _admit(self, req: Request, budget: int, batch: dict[str, ScheduledChunk]) -> bool:
         first_time = req.first_scheduled_time is None
@@ -136,7 +168,7 @@ class Scheduler:
             req.num_cached_tokens = min(match.num_tokens, req.prompt_len)
             self.stats.prefix_queries_tokens += req.prompt_len
             self.stats.prefix_hit_tokens += req.num_cached_tokens
-        self.waiting.popleft()
+        self.waiting.remove(req)
         self.running.append(req)
         req.status = RequestStatus.RUNNING
         self._append(req, slots, batch)
@@ -230,6 +262,7 @@ class Scheduler:
         self._release(req)
         self.running.remove(req)
         req.status = RequestStatus.WAITING
+        req.uncached_estimate = None  # its tokens went into the prefix cache: mostly a hit now
         req.num_retractions += 1
         self.stats.retractions += 1
         self.waiting.appendleft(req)

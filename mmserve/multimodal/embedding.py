@@ -77,7 +77,7 @@ def splice_chunk(
         if lo >= hi:
             continue
         where = item.positions[lo:hi] - start
-        embeds[where] = item.tensors[MAIN][lo:hi].to(embeds.dtype)
+        embeds[where] = item.tensors[MAIN][lo:hi].to(embeds.device, embeds.dtype)
         covered[where] = True
         if extras is not None and len(item.tensors) > 1:
             extras.positions.append(where)

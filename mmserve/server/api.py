@@ -1,7 +1,8 @@
 """The FastAPI app of the API server: its state, middleware (body limit, API key), error handlers and routers.
 
 Routes live in one router per concern: OpenAI (`routes_openai`), tokenizer (`routes_tokenize`), control plane
-(`routes_control`) and operations (`routes_ops`). They share one `AppState` (`app.state.mmserve`).
+(`routes_control`), operations (`routes_ops`) and the browser UI (`routes_ui`, unless --disable-ui). They share
+one `AppState` (`app.state.mmserve`).
 """
 
 from __future__ import annotations
@@ -13,7 +14,14 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
 
 from mmserve.config import ServerConfig
-from mmserve.server import routes_control, routes_openai, routes_ops, routes_responses, routes_tokenize
+from mmserve.server import (
+    routes_control,
+    routes_openai,
+    routes_ops,
+    routes_responses,
+    routes_tokenize,
+    routes_ui,
+)
 from mmserve.server.app_state import AppState
 from mmserve.server.engine_client import EngineClient
 from mmserve.server.metrics import ServerMetrics
@@ -65,4 +73,6 @@ def build_app(
     app.openapi = openapi
     for module in (routes_openai, routes_responses, routes_tokenize, routes_control, routes_ops):
         app.include_router(module.router)
+    if not cfg.disable_ui:
+        routes_ui.install(app)
     return app

@@ -44,8 +44,9 @@ class BodyLimitMiddleware:
 
 
 # Paths besides /v1/* that need the API key: they do work on a user's input (/tokenize fetches and decodes
-# media). Health, metrics and /version stay open to probes; the control plane has its own cluster token.
-API_KEY_PATHS = frozenset({"/tokenize", "/detokenize"})
+# media), or name the encoders' URLs as answers' `encoded_by` do (the dashboard's /ui/api/stats). Health,
+# metrics and /version stay open to probes; the control plane has its own cluster token.
+API_KEY_PATHS = frozenset({"/tokenize", "/detokenize", "/ui/api/stats"})
 
 
 class ApiKeyMiddleware:

@@ -27,6 +27,7 @@ from mmserve.transport import messages as m
 class Timings:
     queue_s: float = 0.0
     encode_s: float = 0.0
+    transfer_s: float = 0.0  # EPD: the last embedding part's trip to the engine (part of encode_s)
     prefill_s: float = 0.0
     decode_s: float = 0.0
     ttft_s: float = 0.0
@@ -94,6 +95,7 @@ class Generation:
     mm_items: int = 0
     mm_cache_hits: int = 0  # found by the engine's local encoder
     encoded_by: list[str] = field(default_factory=list)
+    item_encoders: list[str] = field(default_factory=list)  # per media item the engine encoded or received
     timings: Timings = field(default_factory=Timings)
     choices: dict[int, _Choice] = field(default_factory=dict)
     prompt_logprobs: list[TokenLogprobs | None] | None = None  # when the params ask for them
@@ -132,7 +134,8 @@ class Generation:
         self.prompt_tokens = first.prompt_tokens
         self.mm_items, self.mm_cache_hits = first.mm_items, first.mm_cache_hits
         self.encoded_by = list(first.encoded_by)
-        self.timings.encode_s = first.encode_s
+        self.item_encoders = list(first.item_encoders)
+        self.timings.encode_s, self.timings.transfer_s = first.encode_s, first.transfer_s
         self.metrics.encode_time.observe(first.encode_s)
 
     async def handed_off(self) -> m.HandedOffMsg:
@@ -245,10 +248,21 @@ class Generation:
 
         `mm_cache_hits` counts the items found in an embedding cache: the engine's local encoder's, or (EPD)
         the encoders', which each part's header reports; every part arrives before the request is admitted.
+        `items` says who encoded each media item, in prompt order ("precomputed": the client's embedding).
         """
+        encoders = iter(self.item_encoders)
+        fallback = ", ".join(self.encoded_by) or "none"  # a decode server knows only the request's encoders
+        items = [
+            {
+                "modality": it.modality,
+                "encoded_by": "precomputed" if it.embedding is not None else next(encoders, fallback),
+            }
+            for it in self.media
+        ]
         return {
             "timings": self.timings.as_dict(),
-            "encoded_by": ", ".join(self.encoded_by) or "none",
+            "encoded_by": fallback,
             "mm_items": self.mm_items,
             "mm_cache_hits": self.mm_cache_hits,
+            "items": items,
         }

@@ -10,6 +10,7 @@ encoder and a server that uses it (`--encoder-urls`) start together too, on a po
 from __future__ import annotations
 
 import concurrent.futures
+import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -45,6 +46,47 @@ def stop_all(handles: Iterable[ServerHandle]) -> list[int]:
         return []
     with concurrent.futures.ThreadPoolExecutor(len(handles)) as pool:
         return list(pool.map(lambda handle: handle.stop(), handles))
+
+
+class SharedProcess:
+    """One process that several tests share: the first `get()` starts it (a caller in another thread waits for
+    that start), the first `stop()` stops it; later calls return the same exit code."""
+
+    def __init__(self, start: Callable[[], ServerHandle]) -> None:
+        self._start = start
+        self._lock = threading.Lock()
+        self._handle: ServerHandle | None = None
+        self._exit_code: int | None = None
+
+    def get(self) -> ServerHandle:
+        with self._lock:
+            assert self._exit_code is None, "the shared process was stopped already"
+            if self._handle is None:
+                self._handle = self._start()
+            return self._handle
+
+    def get_beside(self, start: Callable[[], ServerHandle]) -> tuple[ServerHandle, ServerHandle]:
+        """(the shared process, a process of the caller's own from `start()`), started side by side when the
+        shared one is not up yet. If either start fails, the caller's process is stopped."""
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            own = pool.submit(start)
+            try:
+                shared = self.get()
+            except BaseException:
+                if own.exception() is None:
+                    own.result().stop()
+                raise
+            return shared, own.result()
+
+    def stop(self, before: Callable[[ServerHandle], object] = lambda handle: None) -> int | None:
+        """Runs `before(handle)` (a last check), then stops the process; None if it never started."""
+        with self._lock:
+            if self._handle is not None and self._exit_code is None:
+                try:
+                    before(self._handle)
+                finally:
+                    self._exit_code = self._handle.stop()
+            return self._exit_code
 
 
 @dataclass

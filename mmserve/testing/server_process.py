@@ -152,6 +152,6 @@ def _start_once(cmd: Callable[[int], list[str]], port: int, log_dir: str, kind: 
                 return handle
         except httpx.HTTPError:
             pass
-        time.sleep(0.2)
+        time.sleep(0.05)  # a refused connect costs ~nothing: readiness is seen ~25 ms late on average
     handle.stop()
     raise AssertionError(f"{kind} not healthy after {timeout_s}s:\n{handle.log()}")

@@ -11,7 +11,9 @@ feature extractor) and mmserve's loader read it like a downloaded model.
 Sizes:
 - `tiny`: well under 1 MB, for tests. `initializer_range=0.5` makes the model sensitive to positions and
   splices, so a wrong position id or a misplaced embedding row changes the greedy tokens.
-- `small`: realistic proportions (LM ~0.37 B, vision tower ~0.09 B) for CPU benchmarks (Qwen2-VL family).
+- `small`: realistic proportions for CPU benchmarks (Qwen2-VL family): a Qwen2-0.5B-like LM with Qwen2-VL's
+  real tokenizer (`qwen2_tokenizer.py`, 151,657 ids) and vocab_size 151,936 (embedding and untied lm_head
+  rows; ids past the tokenizer decode to nothing, as in real Qwen2-VL), ~0.63 B; vision tower ~0.09 B.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from dataclasses import dataclass, field
 QWEN_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
 SPECIAL_TOKENS = QWEN_TOKENS + VISION_TOKENS  # the Qwen-VL families'
+QWEN2_VL_VOCAB_SIZE = 151_936
 
 _SYSTEM = (
     "{% for message in messages %}"
@@ -111,7 +114,11 @@ def train_tokenizer(vocab_size: int, special_tokens: tuple[str, ...], chat_templ
 def make_tokenizer(
     size: str, special_tokens: tuple[str, ...] = SPECIAL_TOKENS, chat_template: str = CHAT_TEMPLATE
 ):
-    return train_tokenizer(384 if size == "tiny" else 8192, special_tokens, chat_template)
+    if size == "tiny":
+        return train_tokenizer(384, special_tokens, chat_template)
+    from mmserve.testing.qwen2_tokenizer import qwen2_tokenizer
+
+    return qwen2_tokenizer(special_tokens, chat_template)
 
 
 def _ids(tokenizer, tokens: tuple[str, ...]) -> dict[str, int]:
@@ -150,7 +157,8 @@ def _text_config(size: str, tokenizer, mrope_section: list[int] | None, **extra)
         rope["mrope_section"] = mrope_section if size == "tiny" else [8, 12, 12]
     text.update(
         rope_parameters=rope,
-        vocab_size=len(tokenizer),
+        # `small`: Qwen2-VL's logits width (lm_head rows), past its 151,657-id tokenizer.
+        vocab_size=len(tokenizer) if size == "tiny" else QWEN2_VL_VOCAB_SIZE,
         bos_token_id=ids["<|endoftext|>"],
         eos_token_id=ids["<|im_end|>"],
         **extra,
@@ -411,6 +419,10 @@ def build_tiny_model(
     model.generation_config.eos_token_id = kit.config.eos_token_id
     model.generation_config.pad_token_id = kit.config.pad_token_id
     os.makedirs(out_dir, exist_ok=True)
+    if (
+        size == "small"
+    ):  # stored in bf16 like published Qwen checkpoints: `--dtype auto` runs it in bf16 on AMX
+        model = model.to(torch.bfloat16)
     model.save_pretrained(out_dir)
     kit.tokenizer.save_pretrained(out_dir)
     kit.save_processors(out_dir)

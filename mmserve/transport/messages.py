@@ -136,6 +136,8 @@ class AcceptedMsg(msgspec.Struct, tag="accepted"):
     mm_items: int
     mm_cache_hits: int
     encoded_by: list[str] = []  # "engine (in-process)", "local (failover)", or encoder URLs
+    item_encoders: list[str] = []  # one of the above per media item the engine encoded or received, in order
+    transfer_s: float = 0.0  # EPD: the last part's send to its arrival at the engine (part of encode_s)
 
 
 class TokensMsg(msgspec.Struct, tag="tokens"):

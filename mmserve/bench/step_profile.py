@@ -1,0 +1,103 @@
+"""What a decode step costs next to its floor, and where the rest goes (`mmserve bench engine`).
+
+The floor: the language model's own linear layers (every projection and `lm_head`, with the checkpoint's
+weights and dtype) applied to as many rows as the step decodes, nothing else. On a CPU a decode step streams
+all of those weights from memory, so this is what no engine can beat; the step's time over it is the price
+of attention, element-wise ops, sampling, scheduling and Python.
+
+The breakdown profiles a few steps (torch.profiler) and splits each into GEMM (the linear layers' kernels),
+attention (the KV pool's writes, gathers and SDPA), sampler and scheduler (the engine's `mmserve::` labels),
+and other (norms, RoPE, activations, Python), scaled to the unprofiled step time.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+GEMM_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::_addmm_activation")
+ATTENTION_OPS = ("aten::index_select", "aten::index_copy_", "aten::index_put_")  # and every SDPA kernel
+LABELS = {"scheduler": "mmserve::schedule", "sampler": "mmserve::sample"}
+
+
+@dataclass
+class StepCost:
+    rows: int  # requests decoding in each step
+    step_ms: float  # median wall time of one engine step
+    gemm_floor_ms: float  # the same rows through the linear layers alone
+    breakdown_ms: dict[str, float]  # gemm / attention / sampler / scheduler / other, summing to step_ms
+
+    @property
+    def over_floor(self) -> float:
+        return self.step_ms / self.gemm_floor_ms
+
+    def to_json(self) -> dict:
+        return {
+            "rows": self.rows,
+            "step_ms": self.step_ms,
+            "gemm_floor_ms": self.gemm_floor_ms,
+            "step_over_gemm_floor": self.over_floor,
+            "breakdown_ms": self.breakdown_ms,
+        }
+
+
+def linear_layers(runner) -> list[torch.nn.Linear]:
+    layers = [m for m in runner.language_model.modules() if isinstance(m, torch.nn.Linear)]
+    return layers + [runner.lm_head]
+
+
+@torch.no_grad()
+def gemm_floor_s(runner, rows: int, repeats: int = 5) -> float:
+    """Median seconds for `rows` rows through every linear layer of the language model, in order."""
+    layers = linear_layers(runner)
+    inputs = {
+        n: torch.randn(rows, n, dtype=runner.dtype, device=runner.device)
+        for n in {m.in_features for m in layers}
+    }
+    times = []
+    for _ in range(repeats + 1):  # the first warms the kernels' caches
+        start = time.perf_counter()
+        for m in layers:
+            torch.nn.functional.linear(inputs[m.in_features], m.weight, m.bias)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[1:])
+
+
+def timed_steps(engine, steps: int) -> list[float]:
+    times = []
+    for _ in range(steps):
+        if not engine.has_work:
+            break
+        start = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def breakdown(engine, steps: int, step_s: float) -> dict[str, float]:
+    """Milliseconds per step by category, from `steps` profiled steps scaled to `step_s`."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        start = time.perf_counter()
+        done = len(timed_steps(engine, steps))
+        profiled_s = time.perf_counter() - start
+    if not done:
+        return {}
+    sums = dict.fromkeys(("gemm", "attention", "sampler", "scheduler"), 0.0)
+    for event in prof.key_averages():
+        name = event.key
+        if name in GEMM_OPS:
+            sums["gemm"] += event.self_cpu_time_total
+        elif name in ATTENTION_OPS or "scaled_dot_product" in name:
+            sums["attention"] += event.self_cpu_time_total
+        for category, label in LABELS.items():
+            if name == label:
+                sums[category] += event.cpu_time_total  # the region, all ops in it
+    scale = step_s / (profiled_s / done)  # the profiler slows every op; shares are what it tells
+    out = {k: v / 1e3 / done * scale for k, v in sums.items()}
+    out["other"] = max(0.0, step_s * 1e3 - sum(out.values()))
+    return out

@@ -1,0 +1,28 @@
+"""`mmserve bench engine` end to end on the tiny model: both tables printed, every figure in `--json`."""
+
+from __future__ import annotations
+
+import json
+
+from tests.test_bench_cli import run_cli
+
+
+def test_bench_engine_reports_the_decode_step_against_its_gemm_floor(tiny_qwen2_vl, tmp_path):
+    out = tmp_path / "engine.json"
+    args = ["--concurrency", "1,3", "--num-requests", "2", "--hf-requests", "1", "--output-tokens", "8"]
+    args += ["--rounds", "1", "--image-size", "32x32", "--kv-cache-mb", "8", "--json", str(out)]
+    done = run_cli("bench", "engine", "--model", tiny_qwen2_vl, *args)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "| engine c=3 |" in done.stdout and "step / floor" in done.stdout
+    result = json.loads(out.read_text())
+    assert result["parameters"]["concurrency"] == [1, 3] and result["parameters"]["dtype"] == "float32"
+    assert set(result["summary"]) == {"hf", "engine c=1", "engine c=3"}
+    assert result["summary"]["hf"]["output_vs_hf"] == 1.0
+    (run,) = result["rounds"]["engine c=3"]
+    assert run["output_tokens"] == 3 * 8  # at least `concurrency` requests, whatever --num-requests says
+    step = run["decode_step"]
+    assert step["rows"] == 3 and step["step_ms"] > 0 and step["gemm_floor_ms"] > 0
+    assert set(step["breakdown_ms"]) == {"gemm", "attention", "sampler", "scheduler", "other"}
+    assert abs(sum(step["breakdown_ms"].values()) - step["step_ms"]) < 1e-6 * step["step_ms"] + 1e-9
+    assert step["breakdown_ms"]["attention"] > 0 and step["breakdown_ms"]["sampler"] > 0
+    assert result["rounds"]["hf"][0]["decode_step"] is None

@@ -1,0 +1,97 @@
+"""Encode-prefill overlap: a request's text before its first item is prefilled while its media encode, then the
+request reuses that KV. Same greedy tokens as HF in the engine (text prefill partly or wholly done when the
+items arrive, chunked) and through servers in monolithic and EPD modes, where a fresh system prompt comes back
+as cached tokens on first sight."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from mmserve.engine.request import text_prefill_id
+from mmserve.multimodal.messages import parse_messages
+from tests.engine_helpers import image_case, reference_text
+from tests.test_engine_parity import MAX_NEW, assert_idle_and_clean, greedy, make_llm, make_oracle
+
+SYSTEM = "You are a careful assistant. Look at every image closely, count what you see, then answer briefly."
+
+
+@pytest.fixture(scope="module")
+def oracle(tiny_qwen2_vl):
+    return make_oracle(tiny_qwen2_vl)
+
+
+def prompt_and_items(llm, case):
+    template, media = parse_messages(case.messages)
+    text = llm.tokenizer.apply_chat_template(template, add_generation_prompt=True, tokenize=False)
+    return llm.tokenizer(text, add_special_tokens=False)["input_ids"], llm.encode(media)[0]
+
+
+def run(llm, request_id: str) -> list[int]:
+    out = []
+    for _ in range(200):  # bounded: a few prefill chunks and MAX_NEW decode steps
+        if not llm.engine.has_work:
+            break
+        out += [o.token_id for o in llm.engine.step() if o.request_id == request_id]
+    return out
+
+
+@pytest.mark.parametrize("text_steps", [0, 2, 100], ids=["not-started", "half-done", "done"])
+def test_text_prefilled_during_the_encode_is_reused_exactly(tiny_qwen2_vl, oracle, text_steps):
+    llm = make_llm(tiny_qwen2_vl, max_num_batched_tokens=8)  # chunks end inside the text and the image
+    case = image_case([95, 96], "What changed?", system=SYSTEM)
+    ids, items = prompt_and_items(llm, case)
+    engine = llm.engine
+    assert engine.prefill_text_before_media("r", ids)
+    for _ in range(text_steps):  # the encode takes this long
+        assert engine.step() == []  # a text prefill samples nothing
+    req = engine.add_request("r", ids, greedy(), items)
+    text_len = ids.index(engine.family.placeholders[next(iter(engine.family.placeholders))])  # the image's
+    if text_steps < 100:
+        assert req not in engine.scheduler.waiting  # held until the text is in the prefix cache
+    assert run(llm, "r") == oracle(case).token_ids
+    assert req.num_cached_tokens >= text_len - 1 and text_prefill_id("r") not in engine.requests
+    assert_idle_and_clean(llm)
+
+
+def test_no_text_prefill_for_cached_or_short_text_and_abort_ends_it(tiny_qwen2_vl):
+    llm = make_llm(tiny_qwen2_vl)
+    engine = llm.engine
+    ids, _ = prompt_and_items(llm, image_case([97], "Hi", system=SYSTEM + " Again."))
+    image_id = engine.family.placeholders[next(iter(engine.family.placeholders))]
+    assert not engine.prefill_text_before_media("short", ids[:5] + [image_id] + ids[-5:])  # 5 tokens of text
+    assert engine.prefill_text_before_media("a", ids)
+    engine.abort("a")  # the request went away while its media encoded: its text prefill goes too
+    assert not engine.has_work and text_prefill_id("a") not in engine.requests
+    assert engine.prefill_text_before_media("b", ids)
+    run(llm, "b")
+    assert not engine.prefill_text_before_media("c", ids)  # cached already: nothing to overlap
+    assert_idle_and_clean(llm)
+
+
+def test_disabled_prefix_cache_means_no_overlap(tiny_qwen2_vl):
+    llm = make_llm(tiny_qwen2_vl, enable_prefix_caching=False)
+    ids, _ = prompt_and_items(llm, image_case([98], "Hi", system=SYSTEM))
+    assert not llm.engine.prefill_text_before_media("r", ids)
+
+
+def chat(url: str, case) -> dict:
+    body = {"messages": case.messages, "max_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True}
+    r = httpx.post(url + "/v1/chat/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_qwen2_vl):
+    return reference_text(tiny_qwen2_vl, MAX_NEW)
+
+
+def test_monolithic_and_epd_servers_overlap_and_match_hf(shared_server, shared_secured_epd_process, expected):
+    epd = shared_secured_epd_process.get()
+    for url, seed in ((shared_server.url, 120), (epd.url, 121)):
+        case = image_case([seed], "Describe it.", system=f"{SYSTEM} Session {seed}.")  # new to both caches
+        answer = chat(url, case)
+        assert answer["choices"][0]["message"]["content"] == expected(case)
+        # a fresh system prompt, cached on first sight: its text was prefilled while the image encoded
+        assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] >= 20, answer["usage"]
