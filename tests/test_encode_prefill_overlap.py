@@ -1,7 +1,7 @@
 """Encode-prefill overlap: a request's text before its first item is prefilled while its media encode, then the
-request reuses that KV. Same greedy tokens as HF in the engine (text prefill partly or wholly done when the
-items arrive, chunked) and through servers in monolithic and EPD modes, where a fresh system prompt comes back
-as cached tokens on first sight."""
+request reuses that KV without computing it again (nor counting it as a cache hit). Same greedy tokens as HF
+in the engine (text prefill not started, partly or wholly done when the items arrive, chunked) and through
+servers in monolithic and EPD modes."""
 
 from __future__ import annotations
 
@@ -49,8 +49,20 @@ def test_text_prefilled_during_the_encode_is_reused_exactly(tiny_qwen2_vl, oracl
     text_len = ids.index(engine.family.placeholders[next(iter(engine.family.placeholders))])  # the image's
     if text_steps < 100:
         assert req not in engine.scheduler.waiting  # held until the text is in the prefix cache
+    starts = []
+    schedule = engine.scheduler.schedule
+
+    def recording():
+        chunks = schedule()
+        starts.extend(c.start for c in chunks if c.request is req)
+        return chunks
+
+    engine.scheduler.schedule = recording
     assert run(llm, "r") == oracle(case).token_ids
-    assert req.num_cached_tokens >= text_len - 1 and text_prefill_id("r") not in engine.requests
+    assert min(starts) >= text_len - 1  # the request computed none of the text again
+    # ... and does not report its own text prefill as reuse of other requests' work (usage.cached_tokens)
+    assert req.own_prefill_tokens == text_len and req.num_cached_tokens == 0
+    assert text_prefill_id("r") not in engine.requests and not engine.text_prefilled
     assert_idle_and_clean(llm)
 
 
@@ -91,7 +103,9 @@ def test_monolithic_and_epd_servers_overlap_and_match_hf(shared_server, shared_s
     epd = shared_secured_epd_process.get()
     for url, seed in ((shared_server.url, 120), (epd.url, 121)):
         case = image_case([seed], "Describe it.", system=f"{SYSTEM} Session {seed}.")  # new to both caches
-        answer = chat(url, case)
+        answer, again = chat(url, case), chat(url, case)
+        assert answer["choices"][0]["message"]["content"] == again["choices"][0]["message"]["content"]
         assert answer["choices"][0]["message"]["content"] == expected(case)
-        # a fresh system prompt, cached on first sight: its text was prefilled while the image encoded
-        assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] >= 20, answer["usage"]
+        # its text was prefilled while the image encoded, which is not reuse of another request's work
+        assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == 0, answer["usage"]
+        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > 20, again["usage"]

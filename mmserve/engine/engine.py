@@ -113,6 +113,9 @@ class Engine:
         self.groups: dict[str, list[Request]] = {}  # n > 1: group id -> its choices
         # n > 1: choices that wait until the first choice's prompt is in the prefix cache (prefilled once)
         self.held: dict[str, list[Request]] = {}
+        # Encode-prefill overlap: request id -> tokens its finished text prefill computed, until it is added
+        # (they are its own work, not prefix-cache reuse: `cached_tokens` leaves them out)
+        self.text_prefilled: dict[str, int] = {}
         per_token = KVPool.bytes_per_token(self.model_config.num_layers, self.model_config.num_kv_heads,
                                            self.model_config.head_dim, parse_dtype(cfg.dtype))  # fmt: skip
         logger.info(
@@ -144,6 +147,7 @@ class Engine:
         """
         if request_id in self.requests:
             raise ValueError(f"duplicate request id {request_id!r}")
+        own_prefill = self.text_prefilled.pop(request_id, 0)
         check_cache_salt(cache_salt)
         for item in items:
             self.family.check_item(item)
@@ -199,6 +203,7 @@ class Engine:
                     index=i,
                     matcher=matchers[i] if matchers else None,
                     prefill_only=prefill_only,
+                    own_prefill_tokens=own_prefill if i == 0 else 0,
                 )
             )
         for req in choices:
@@ -236,6 +241,23 @@ class Engine:
             return False
         return True
 
+    def drop_text_prefill(self, request_id: str, reason: str = "abort") -> None:
+        """The request will not be added (it failed before admission, or was aborted): end its text
+        prefill if one runs; what it computed stays in the prefix cache."""
+        self.abort(text_prefill_id(request_id), reason)
+        self.text_prefilled.pop(request_id, None)
+
+    def _end_text_prefill(self, text: Request) -> None:
+        self.scheduler.finish(text, "prefilled")
+        self.requests.pop(text.request_id, None)
+        owner_id = text.request_id.removesuffix("~text")
+        computed = text.prompt_len - text.num_cached_tokens
+        owner = self.requests.get(owner_id)
+        if owner is not None:  # added already, held until now
+            owner.own_prefill_tokens = computed
+        else:
+            self.text_prefilled[owner_id] = computed
+
     def _check_vocab(self, params: SamplingParams) -> None:
         vocab = self.model_config.vocab_size
         for name, ids in (("logit_bias", params.logit_bias), ("stop_token_ids", params.stop_token_ids)):
@@ -268,7 +290,7 @@ class Engine:
         """End a request (all of its choices, given the group id, and its text prefill) now, freeing all it
         holds. Unknown or finished ids are ignored."""
         if not request_id.endswith("~text"):
-            self.abort(text_prefill_id(request_id), reason)
+            self.drop_text_prefill(request_id, reason)
         group = self.groups.pop(request_id, None)
         self.held.pop(request_id, None)
         for req in group or [self.requests.get(request_id)]:
@@ -320,8 +342,7 @@ class Engine:
             if chunk.start < chunk.request.prompt_len <= chunk.end:
                 self.scheduler.cache_prompt(chunk.request)
                 if chunk.request.prefill_only:  # a text prefill is done once its KV is in the cache
-                    self.scheduler.finish(chunk.request, "prefilled")
-                    self.requests.pop(chunk.request.request_id, None)
+                    self._end_text_prefill(chunk.request)
                 self._release_held(chunk.request)
         for i, logits in out.prompt_logits.items():
             self._add_prompt_logprobs(chunks[i], logits)

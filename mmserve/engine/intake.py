@@ -128,6 +128,7 @@ class Intake:
         self.assembler.cancel(msg.request_id)
         if self.requests.pop(msg.request_id, None) is None:
             return []
+        self.engine.drop_text_prefill(msg.request_id)  # its text prefill, if one runs (overlap)
         return [m.ErrorMsg(msg.request_id, msg.failure)]
 
     def abort(self, request_id: str) -> None:
@@ -216,6 +217,7 @@ class Intake:
         for o in outcomes:
             if isinstance(o, Failed):
                 if self.requests.pop(o.request_id, None) is not None:
+                    self.engine.drop_text_prefill(o.request_id)  # its text prefill, if one runs (overlap)
                     out.append(m.ErrorMsg(o.request_id, o.failure))
                 continue
             encoders = sorted(set(o.encoders))
@@ -239,6 +241,7 @@ class Intake:
             return []
         req, arrived = entry
         if isinstance(result, Failure):
+            self.engine.drop_text_prefill(rid)  # its text prefill, if one runs (overlap)
             return [m.ErrorMsg(rid, result)]
         try:
             items = merge(req.media, result)  # the client's precomputed embeddings back in prompt order
@@ -251,13 +254,16 @@ class Intake:
                 handoff=req.handoff,
             )
         except EmbeddingMismatch as e:  # an encoder serving another model: this request only
+            self.engine.drop_text_prefill(rid)  # its text prefill, if one runs (overlap); likewise below
             sources = ", ".join(encoded_by)
             logger.warning("request %s: embedding from %s rejected: %s", rid, sources, e)
             message = f"{sources} sent an embedding that does not fit this model: {e}"
             return [m.ErrorMsg(rid, Failure(502, "bad_embedding", message))]
         except MediaError as e:  # per-request media limits
+            self.engine.drop_text_prefill(rid)
             return [m.ErrorMsg(rid, e.failure)]
         except ValueError as e:
+            self.engine.drop_text_prefill(rid)
             return [m.ErrorMsg(rid, Failure(400, "invalid_request", str(e)))]
         engine_req.encode_timings = timings
         waited = time.perf_counter() - arrived

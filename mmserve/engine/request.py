@@ -55,9 +55,9 @@ class Request:
     group_id: str = ""  # n > 1: the API request this choice belongs to ("" = request_id)
     index: int = 0  # the choice's index in its group
     matcher: object | None = None  # structured outputs: mmserve.engine.grammar.GrammarMatcher
-    prefill_only: bool = (
-        False  # internal (encode-prefill overlap): compute the prompt into the cache, no token
-    )
+    # internal (encode-prefill overlap): compute the prompt into the prefix cache, sample nothing
+    prefill_only: bool = False
+    own_prefill_tokens: int = 0  # prompt tokens its own text prefill computed: not counted as cached
 
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None

@@ -165,7 +165,8 @@ class Scheduler:
         req.num_computed = match.num_tokens
         if first_time:
             req.first_scheduled_time = time.perf_counter()
-            req.num_cached_tokens = min(match.num_tokens, req.prompt_len)
+            # reuse of other requests' work only: its own text prefill (overlap) is not a cache hit
+            req.num_cached_tokens = max(0, min(match.num_tokens, req.prompt_len) - req.own_prefill_tokens)
             self.stats.prefix_queries_tokens += req.prompt_len
             self.stats.prefix_hit_tokens += req.num_cached_tokens
         self.waiting.remove(req)
