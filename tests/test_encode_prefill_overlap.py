@@ -109,3 +109,17 @@ def test_monolithic_and_epd_servers_overlap_and_match_hf(shared_server, shared_s
         # its text was prefilled while the image encoded, which is not reuse of another request's work
         assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == 0, answer["usage"]
         assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > 20, again["usage"]
+
+
+def test_a_failed_text_prefill_releases_its_request(tiny_qwen2_vl, oracle):
+    llm = make_llm(tiny_qwen2_vl, max_num_batched_tokens=8)
+    case = image_case([99], "What is it?", system=SYSTEM)
+    ids, items = prompt_and_items(llm, case)
+    engine = llm.engine
+    assert engine.prefill_text_before_media("r", ids)
+    engine.step()
+    req = engine.add_request("r", ids, greedy(), items)  # held behind its text prefill...
+    engine.abort(text_prefill_id("r"), "error")  # ...which fails (as in a failed batch)
+    assert req in engine.scheduler.waiting  # the request goes on and computes its text itself
+    assert run(llm, "r") == oracle(case).token_ids
+    assert_idle_and_clean(llm)

@@ -289,8 +289,13 @@ class Engine:
     def abort(self, request_id: str, reason: str = "abort") -> None:
         """End a request (all of its choices, given the group id, and its text prefill) now, freeing all it
         holds. Unknown or finished ids are ignored."""
-        if not request_id.endswith("~text"):
-            self.drop_text_prefill(request_id, reason)
+        if request_id.endswith("~text"):  # a text prefill: the request held behind it is released below
+            text = self.requests.pop(request_id, None)
+            if text is not None:
+                self.scheduler.finish(text, reason)
+                self._release_held(text)  # it computes its text itself
+            return
+        self.drop_text_prefill(request_id, reason)
         group = self.groups.pop(request_id, None)
         self.held.pop(request_id, None)
         for req in group or [self.requests.get(request_id)]:
@@ -332,7 +337,8 @@ class Engine:
             failed = []
             for chunk in chunks:
                 self.scheduler.fail(chunk)
-                failed.append(chunk.request.group_id)
+                if not chunk.request.prefill_only:  # internal: nobody to tell
+                    failed.append(chunk.request.group_id)
                 self.abort(chunk.request.group_id, "error")  # its other choices cannot complete the answer
             raise BatchFailed(list(dict.fromkeys(failed)), e) from e
 
