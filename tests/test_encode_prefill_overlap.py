@@ -106,9 +106,10 @@ def test_monolithic_and_epd_servers_overlap_and_match_hf(shared_server, shared_s
         answer, again = chat(url, case), chat(url, case)
         assert answer["choices"][0]["message"]["content"] == again["choices"][0]["message"]["content"]
         assert answer["choices"][0]["message"]["content"] == expected(case)
-        # its text was prefilled while the image encoded, which is not reuse of another request's work
-        assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == 0, answer["usage"]
-        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > 20, again["usage"]
+        # Its text was prefilled while the image encoded, which is not reuse of another request's work: at
+        # most the template's first tokens were cached by other modules' requests on the shared server.
+        first, second = (r["usage"]["prompt_tokens_details"]["cached_tokens"] for r in (answer, again))
+        assert first < 20 and second > first + 40, (answer["usage"], again["usage"])
 
 
 def test_a_failed_text_prefill_releases_its_request(tiny_qwen2_vl, oracle):

@@ -239,7 +239,9 @@ def test_chat_parity(model_dir, expected, budget):
     outputs = llm.chat([conversation(*case) for case in CASES.values()], params)
     for name, out, p in zip(CASES, outputs, params, strict=True):
         assert out.token_ids == expected[name].token_ids, name
-        torch.testing.assert_close(recorder.logits_for(p), expected[name].logits, atol=1e-4, rtol=1e-5)
+        # fp32 rounding depends on the batch shape (one attention call for all decodes, padded to the
+        # longest): up to 1.4e-4 here with equal tokens; the same bound as tests/test_engine_parity.py
+        torch.testing.assert_close(recorder.logits_for(p), expected[name].logits, atol=5e-4, rtol=1e-5)
     llm.check_integrity()
 
 
