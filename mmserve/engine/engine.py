@@ -24,7 +24,7 @@ from mmserve.engine.logits_processors import RowState
 from mmserve.engine.logprobs import TokenLogprobs, token_logprobs
 from mmserve.engine.model_runner import ModelRunner
 from mmserve.engine.radix_cache import NoPrefixCache, RadixCache
-from mmserve.engine.request import Request, choice_id, text_prefill_id
+from mmserve.engine.request import TEXT_PREFILL_SUFFIX, Request, choice_id, text_prefill_id
 from mmserve.engine.sampler import Sampler, make_generator
 from mmserve.engine.sampling_params import SamplingParams
 from mmserve.engine.scheduler import Scheduler, SchedulerConfig
@@ -250,7 +250,7 @@ class Engine:
     def _end_text_prefill(self, text: Request) -> None:
         self.scheduler.finish(text, "prefilled")
         self.requests.pop(text.request_id, None)
-        owner_id = text.request_id.removesuffix("~text")
+        owner_id = text.request_id.removesuffix(TEXT_PREFILL_SUFFIX)
         computed = text.prompt_len - text.num_cached_tokens
         owner = self.requests.get(owner_id)
         if owner is not None:  # added already, held until now
@@ -289,7 +289,9 @@ class Engine:
     def abort(self, request_id: str, reason: str = "abort") -> None:
         """End a request (all of its choices, given the group id, and its text prefill) now, freeing all it
         holds. Unknown or finished ids are ignored."""
-        if request_id.endswith("~text"):  # a text prefill: the request held behind it is released below
+        if request_id.endswith(
+            TEXT_PREFILL_SUFFIX
+        ):  # a text prefill: the request held behind it is released below
             text = self.requests.pop(request_id, None)
             if text is not None:
                 self.scheduler.finish(text, reason)

@@ -19,10 +19,12 @@ from mmserve.engine.sampling_params import SamplingParams
 from mmserve.multimodal.embedding import PlacedEmbedding
 from mmserve.multimodal.items import MultimodalItem
 
+TEXT_PREFILL_SUFFIX = "~text"
+
 
 def text_prefill_id(request_id: str) -> str:
     """The engine's id of the internal request prefilling `request_id`'s text before its media (overlap)."""
-    return f"{request_id}~text"
+    return request_id + TEXT_PREFILL_SUFFIX
 
 
 def choice_id(group_id: str, index: int) -> str:
