@@ -139,6 +139,8 @@ class EngineConfig:
     disable_prefix_cache: bool = False
     # Prefill a request's text before its first item while the item encodes (mmserve.engine.engine)
     encode_prefill_overlap: bool = True
+    # bf16/fp16 on a CPU: linear weights packed once into oneDNN's layout (mmserve.engine.packed_linear)
+    pack_weights: bool = True
     embedding_cache_mb: float = 512.0
     mm_processor_kwargs: tuple[tuple[str, object], ...] = ()
     media: MediaConfig = MediaConfig()

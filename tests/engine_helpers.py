@@ -103,7 +103,7 @@ class RecordingSampler(Sampler):
 
     def __call__(self, logits, params, generators):
         for row, p in zip(logits, params, strict=True):
-            self.rows.setdefault(id(p), []).append(row.detach().clone())
+            self.rows.setdefault(id(p), []).append(row.detach().float())
         return super().__call__(logits, params, generators)
 
     def logits_for(self, params) -> torch.Tensor:

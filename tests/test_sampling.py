@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mmserve.engine.sampler import Sampler, make_generator
+from mmserve.engine.sampler import Sampler, greedy_tokens, make_generator
 from mmserve.engine.sampling_params import SamplingParams
 
 
@@ -154,3 +154,21 @@ def test_tiny_temperature_is_finite() -> None:
 def test_sampler_rejects_mismatched_batch() -> None:
     with pytest.raises(ValueError, match="params"):
         Sampler()(_logits(batch=2), [SamplingParams()], [None])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("vocab", [7, 512, 151_936, 151_937])
+def test_greedy_tokens_is_argmax_with_its_ties_and_nans(dtype, vocab):
+    """The two-level argmax picks exactly what `argmax` picks: the first maximum, NaN as the maximum, in the
+    last partial block too, in the logits' own dtype."""
+    gen = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(12, vocab, generator=gen).to(dtype)
+    last = vocab - 1
+    logits[1, :] = 0.0  # all tied: id 0
+    logits[2, [3, last]] = 50.0  # tie between the first block and the end: the first
+    logits[3, last] = 60.0  # the maximum past the last whole block
+    logits[4, [min(300, last), last]] = float("nan")  # the first NaN
+    logits[5, last] = float("nan")
+    logits[6, :] = float("-inf")
+    logits[7, [min(256, last), min(257, last)]] = 70.0  # a tie inside one block
+    assert torch.equal(greedy_tokens(logits), logits.argmax(-1))

@@ -1,7 +1,7 @@
 """What a decode step costs next to its floor, and where the rest goes (`mmserve bench engine`).
 
 The floor: the language model's own linear layers (every projection and `lm_head`, with the checkpoint's
-weights and dtype) applied to as many rows as the step decodes, nothing else. On a CPU a decode step streams
+weights and dtype, packed as the engine packs them) applied to as many rows as the step decodes, nothing else. On a CPU a decode step streams
 all of those weights from memory, so this is what no engine can beat; the step's time over it is the price
 of attention, element-wise ops, sampling, scheduling and Python.
 
@@ -18,7 +18,9 @@ from dataclasses import dataclass
 
 import torch
 
-GEMM_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::_addmm_activation")
+from mmserve.engine.packed_linear import PackedLinear
+
+GEMM_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::_addmm_activation", "mkldnn::_linear_pointwise")
 ATTENTION_OPS = ("aten::index_select", "aten::index_copy_", "aten::index_put_")  # and every SDPA kernel
 LABELS = {"scheduler": "mmserve::schedule", "sampler": "mmserve::sample"}
 
@@ -44,9 +46,10 @@ class StepCost:
         }
 
 
-def linear_layers(runner) -> list[torch.nn.Linear]:
-    layers = [m for m in runner.language_model.modules() if isinstance(m, torch.nn.Linear)]
-    return layers + [runner.lm_head]
+def linear_layers(runner) -> list[torch.nn.Module]:
+    """Every linear layer of the language model and `lm_head`, plain or packed (mmserve.engine.packed_linear)."""
+    kinds = (torch.nn.Linear, PackedLinear)
+    return [m for m in runner.language_model.modules() if isinstance(m, kinds)] + [runner.lm_head]
 
 
 @torch.no_grad()
@@ -61,7 +64,7 @@ def gemm_floor_s(runner, rows: int, repeats: int = 5) -> float:
     for _ in range(repeats + 1):  # the first warms the kernels' caches
         start = time.perf_counter()
         for m in layers:
-            torch.nn.functional.linear(inputs[m.in_features], m.weight, m.bias)
+            m(inputs[m.in_features])
         times.append(time.perf_counter() - start)
     return statistics.median(times[1:])
 

@@ -18,6 +18,7 @@ import torch
 from mmserve.config import ModelConfig
 from mmserve.engine.attention import AttentionMetadata, SeqAttention, register_attention
 from mmserve.engine.kv_pool import KVPool
+from mmserve.engine.packed_linear import PackedLinear, can_pack, pack_linears
 from mmserve.engine.request import Request
 from mmserve.models.family import ModelFamily
 from mmserve.models.loader import parse_dtype
@@ -41,7 +42,7 @@ class ScheduledChunk:
 
 @dataclass
 class ForwardOutput:
-    logits: torch.Tensor  # (num_sampling_chunks, vocab) float32, in chunk order
+    logits: torch.Tensor  # (num_sampling_chunks, vocab) in the model's dtype, in chunk order
     prompt_logits: dict[int, torch.Tensor]  # chunk index -> (rows, vocab) predicting its next prompt tokens
 
 
@@ -49,7 +50,7 @@ class ModelRunner:
     """Owns the language model (never a tower) and runs packed forwards over the KV pool."""
 
     def __init__(self, family: ModelFamily, model_config: ModelConfig, dtype: str = "float32",
-                 device: str = "cpu") -> None:  # fmt: skip
+                 device: str = "cpu", pack_weights: bool = True) -> None:  # fmt: skip
         lm = family.load_language_model(parse_dtype(dtype), register_attention())
         self.family = family
         self.config = model_config
@@ -58,6 +59,10 @@ class ModelRunner:
         self.language_model = lm.model.to(self.device)
         self.embed_tokens = self.language_model.get_input_embeddings()
         self.lm_head = lm.lm_head.to(self.device)
+        self.packed = pack_weights and can_pack(self.dtype, self.device)
+        if self.packed:  # bitwise the same outputs, without re-ordering every weight on every call
+            pack_linears(self.language_model)
+            self.lm_head = PackedLinear(self.lm_head)
 
     def positions(self, request: Request, start: int, end: int) -> torch.Tensor:
         """Position ids (rows, n) of tokens [start, end)."""
@@ -73,8 +78,9 @@ class ModelRunner:
 
     @torch.no_grad()
     def forward(self, chunks: list[ScheduledChunk], pool: KVPool) -> ForwardOutput:
-        """KV of every chunk token is written to the pool; returns the logits (num_sampling_chunks, vocab) fp32
-        of the sampled rows, and the logits of the prompt rows of requests that want `prompt_logprobs`.
+        """KV of every chunk token is written to the pool; returns the logits (num_sampling_chunks, vocab) of
+        the sampled rows (model dtype: the sampler casts only what it must), and the logits of the prompt rows
+        of requests that want `prompt_logprobs`.
 
         Rows: prompt chunks first, in order, then every output token being decoded, as one block built with
         a few batched ops (per-request Python on a decode step is one slice of its slot buffer)."""
@@ -142,4 +148,4 @@ class ModelRunner:
             picked = last[row - len(sample_rows) :]
         else:
             picked = last[sample_rows]
-        return ForwardOutput(self.lm_head(picked).float(), prompt_logits)
+        return ForwardOutput(self.lm_head(picked), prompt_logits)

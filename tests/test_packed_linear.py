@@ -1,0 +1,82 @@
+"""Linear weights packed once into oneDNN's layout (bf16 on a CPU, the default): bitwise the same outputs as
+`torch.nn.Linear` at every row count, applied to every linear layer of the language model and `lm_head`, and the
+engine's logits equal to an unpacked engine's. fp32 and `--disable-weight-packing` stay unpacked."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mmserve import SamplingParams
+from mmserve.cli_args import engine_config_from_args
+from mmserve.engine.packed_linear import PackedLinear, can_pack
+from tests.engine_helpers import RecordingSampler
+from tests.families import FAMILIES
+from tests.test_engine_parity import MAX_NEW, make_llm
+
+SPEC = FAMILIES["qwen2_vl"]
+needs_bf16 = pytest.mark.skipif(
+    not can_pack(torch.bfloat16, torch.device("cpu")), reason="this CPU has no native bf16 in oneDNN"
+)
+
+
+@needs_bf16
+@pytest.mark.parametrize("bias", [True, False])
+def test_packed_linear_is_bitwise_nn_linear(bias):
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(96, 200, bias=bias, dtype=torch.bfloat16)
+    packed = PackedLinear(linear)
+    with torch.no_grad():
+        for shape in [(1, 96), (1, 1, 96), (7, 96), (1, 64, 96), (300, 96)]:
+            x = torch.randn(*shape, dtype=torch.bfloat16)
+            out = packed(x)
+            assert out.shape == shape[:-1] + (200,)
+            assert torch.equal(out, linear(x)), shape
+
+
+def logits_of(llm, cases) -> list[torch.Tensor]:
+    recorder = RecordingSampler()
+    llm.engine.sampler = recorder
+    params = [SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True) for _ in cases]
+    outputs = llm.chat([c.messages for c in cases], params)
+    return [out.token_ids for out in outputs], [recorder.logits_for(p) for p in params]
+
+
+@needs_bf16
+def test_engine_packs_every_linear_and_keeps_its_logits(tiny_qwen2_vl):
+    packed = make_llm(tiny_qwen2_vl, SPEC.mm_kwargs, dtype="bfloat16")
+    runner = packed.engine.runner
+    assert runner.packed and isinstance(runner.lm_head, PackedLinear)
+    modules = list(runner.language_model.modules())
+    assert not any(isinstance(m, torch.nn.Linear) for m in modules)
+    assert sum(isinstance(m, PackedLinear) for m in modules) == 7 * packed.engine.model_config.num_layers
+
+    plain = make_llm(tiny_qwen2_vl, SPEC.mm_kwargs, dtype="bfloat16", pack_weights=False)
+    assert not plain.engine.runner.packed
+    assert any(isinstance(m, torch.nn.Linear) for m in plain.engine.runner.language_model.modules())
+    # batched decode of different lengths and prefill chunks in one forward: same rows, same bits
+    cases = [SPEC.one(10 + i, "Describe the image." + " Be precise." * i, (40 + 8 * i, 48)) for i in range(3)]
+    cases.append(SPEC.cases()["text"])
+    tokens, logits = logits_of(packed, cases)
+    plain_tokens, plain_logits = logits_of(plain, cases)
+    assert tokens == plain_tokens
+    for a, b in zip(logits, plain_logits, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_fp32_is_not_packed(tiny_qwen2_vl):
+    llm = make_llm(tiny_qwen2_vl, SPEC.mm_kwargs, dtype="float32")
+    assert not llm.engine.runner.packed
+    assert not can_pack(torch.float32, torch.device("cpu"))
+    assert not can_pack(torch.bfloat16, torch.device("meta"))
+
+
+def test_disable_weight_packing_flag(tiny_qwen2_vl):
+    from mmserve.cli import build_parser
+
+    args = build_parser().parse_args(["serve", tiny_qwen2_vl, "--dtype", "bfloat16"])
+    assert engine_config_from_args(args).pack_weights
+    args = build_parser().parse_args(
+        ["serve", tiny_qwen2_vl, "--dtype", "bfloat16", "--disable-weight-packing"]
+    )
+    assert not engine_config_from_args(args).pack_weights
