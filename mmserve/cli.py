@@ -163,6 +163,7 @@ def _encoder(args: argparse.Namespace) -> int:
         max_batch_wait_ms=args.max_batch_wait_ms,
         max_pending=args.max_pending,
         embedding_cache_mb=args.embedding_cache_mb,
+        pack_weights=not args.disable_weight_packing,
         register_urls=tuple(args.register_url or ()),
         register_interval_s=args.register_interval_s,
         shm_pool_mb=args.shm_pool_mb,
@@ -307,6 +308,12 @@ def add_encoder_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-batch-wait-ms", type=float, default=5.0)
     p.add_argument("--max-pending", type=int, default=64, help="jobs queued or running; more get 503")
     p.add_argument("--embedding-cache-mb", type=float, default=1024)
+    p.add_argument(
+        "--disable-weight-packing",
+        action="store_true",
+        help="keep the tower's linear weights in PyTorch's layout (default on a CPU in bf16/fp16: packed once "
+        "into oneDNN's, same outputs, faster)",
+    )
     p.add_argument("--register-url", nargs="*", default=None, help="language servers to register with")
     p.add_argument("--register-interval-s", type=float, default=5.0, help="registration heartbeat period")
     p.add_argument("--advertise-url", default=None, help="URL servers use to reach this encoder")

@@ -258,6 +258,7 @@ class EncoderConfig:
     max_batch_wait_ms: float = 5.0  # how long the first item of a batch waits for company
     max_pending: int = 64  # jobs queued or running; more get 503
     embedding_cache_mb: float = 1024.0
+    pack_weights: bool = True  # bf16/fp16 on a CPU: the tower's linear weights in oneDNN's layout
     send_timeout_s: float = 5.0  # pushing a part to an engine
     shm_pool_mb: float = 256.0  # shared-memory pool per engine this encoder sends to (shm://)
     mooncake_pool_mb: float = 256.0  # staging pool registered with Mooncake's transfer engine (mooncake://)

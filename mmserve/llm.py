@@ -90,7 +90,14 @@ class LLM:
         self.encoder = (
             None
             if cfg.language_only
-            else build_encoder(self.engine.family, cfg.dtype, cfg.device, cfg.embedding_cache_mb, cfg.media)
+            else build_encoder(
+                self.engine.family,
+                cfg.dtype,
+                cfg.device,
+                cfg.embedding_cache_mb,
+                cfg.media,
+                pack_weights=cfg.pack_weights,
+            )
         )
         self.tokenizer = load_tokenizer(cfg.model)
         self._ids = itertools.count()

@@ -80,3 +80,29 @@ def test_disable_weight_packing_flag(tiny_qwen2_vl):
         ["serve", tiny_qwen2_vl, "--dtype", "bfloat16", "--disable-weight-packing"]
     )
     assert not engine_config_from_args(args).pack_weights
+
+
+@needs_bf16
+def test_encoder_packs_the_tower_and_keeps_its_embeddings(tiny_qwen2_vl):
+    from mmserve.config import MediaConfig
+    from mmserve.encoder.runner import MediaInput, build_encoder
+    from mmserve.models.family import load_family
+    from mmserve.multimodal.items import MAIN, Modality
+    from mmserve.multimodal.media import MediaRef
+    from tests.conftest import random_image
+    from tests.engine_helpers import png_bytes
+
+    family = load_family(tiny_qwen2_vl)
+    packed = build_encoder(family, "bfloat16", "cpu", 64, MediaConfig())
+    plain = build_encoder(family, "bfloat16", "cpu", 64, MediaConfig(), pack_weights=False)
+    try:
+        assert not any(isinstance(m, torch.nn.Linear) for m in packed.tower.modules())
+        assert any(isinstance(m, PackedLinear) for m in packed.tower.modules())
+        assert any(isinstance(m, torch.nn.Linear) for m in plain.tower.modules())
+        item = MediaInput(Modality.IMAGE, MediaRef.from_bytes(png_bytes(random_image(3))))
+        a, b = packed.encode(item), plain.encode(item)
+        assert a.tensors[MAIN].dtype == torch.bfloat16
+        assert torch.equal(a.tensors[MAIN], b.tensors[MAIN])
+    finally:
+        packed.close()
+        plain.close()

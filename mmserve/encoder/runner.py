@@ -16,10 +16,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from mmserve.config import EmbeddingStoreConfig, MediaConfig
 from mmserve.encoder.batcher import TowerBatcher
 from mmserve.encoder.embedding_store import EmbeddingStore
 from mmserve.encoder.store_entry import model_fingerprint
+from mmserve.engine.packed_linear import can_pack, pack_linears
 from mmserve.models.family import ModelFamily, check_pixel_limit
 from mmserve.models.loader import parse_dtype
 from mmserve.multimodal.cache import EmbeddingCache
@@ -68,8 +71,10 @@ class MultimodalEncoder:
         cache: EmbeddingCache,
         media_cfg: MediaConfig,
         store: EmbeddingStore | None = None,
+        tower: torch.nn.Module | None = None,
     ) -> None:
         self.family = family
+        self.tower = tower  # what the batcher runs (read-only here: its dtype, whether it is packed)
         self.batcher = batcher
         self.cache = cache
         self.media_cfg = media_cfg
@@ -175,11 +180,15 @@ def build_encoder(
     store_cfg: EmbeddingStoreConfig | None = None,
     model_path: str | None = None,
     secret: ClusterSecret | None = None,
+    pack_weights: bool = True,
 ) -> MultimodalEncoder:
     """Load the family's tower (no language-model weights) and wrap it in a batcher, a cache and media
     handling; with `store_cfg`, a global embedding store tier too (entries of the checkpoint in
-    `model_path`, signed with `secret` when given). The store connects in the background."""
+    `model_path`, signed with `secret` when given). The store connects in the background. With
+    `pack_weights`, a bf16/fp16 tower on a CPU has its linear weights packed (mmserve.engine.packed_linear)."""
     tower = family.load_tower(parse_dtype(dtype)).to(device)
+    if pack_weights and can_pack(parse_dtype(dtype), torch.device(device)):
+        pack_linears(tower)
 
     def encode(batch):
         return family.encode(tower, batch)
@@ -193,4 +202,4 @@ def build_encoder(
         widths = {MAIN: family.hidden_size, **family.extra_dims}
         fingerprint = model_fingerprint(model_path, family.model_type, tower_dtype, widths)
         store = EmbeddingStore(store_cfg, fingerprint, secret, check_item=family.check_item)
-    return MultimodalEncoder(family, batcher, EmbeddingCache(cache_mb), media_cfg, store)
+    return MultimodalEncoder(family, batcher, EmbeddingCache(cache_mb), media_cfg, store, tower)

@@ -86,6 +86,7 @@ class EncoderService:
             store_cfg=cfg.embedding_store,
             model_path=cfg.model,
             secret=self.secret,
+            pack_weights=cfg.pack_weights,
         )
         self.batcher, self.cache = self.encoder.batcher, self.encoder.cache
         transfer = TransferConfig(cfg.send_timeout_s, cfg.shm_pool_mb, cfg.mooncake_pool_mb, cfg.host)

@@ -85,6 +85,7 @@ class EngineLoop:
                 store_cfg=cfg.embedding_store,
                 model_path=cfg.model,
                 secret=secret,
+                pack_weights=cfg.pack_weights,
             )
         )
         transfer = TransferConfig(mooncake_pool_mb=cfg.mooncake_pool_mb, host=cfg.embedding_host)
