@@ -1,9 +1,9 @@
 """What a decode step costs next to its floor, and where the rest goes (`mmserve bench engine`).
 
 The floor: the language model's own linear layers (every projection and `lm_head`, with the checkpoint's
-weights and dtype, packed as the engine packs them) applied to as many rows as the step decodes, nothing else. On a CPU a decode step streams
-all of those weights from memory, so this is what no engine can beat; the step's time over it is the price
-of attention, element-wise ops, sampling, scheduling and Python.
+weights and dtype, packed as the engine packs them) applied to as many rows as the step decodes, nothing
+else. On a CPU a decode step streams all of those weights from memory, so this is what no engine can beat;
+the step's time over it is the price of attention, element-wise ops, sampling, scheduling and Python.
 
 The breakdown profiles a few steps (torch.profiler) and splits each into GEMM (the linear layers' kernels),
 attention (the KV pool's writes, gathers and SDPA), sampler and scheduler (the engine's `mmserve::` labels),
@@ -47,7 +47,7 @@ class StepCost:
 
 
 def linear_layers(runner) -> list[torch.nn.Module]:
-    """Every linear layer of the language model and `lm_head`, plain or packed (mmserve.engine.packed_linear)."""
+    """Every linear layer of the language model and `lm_head`, plain or packed (engine.packed_linear)."""
     kinds = (torch.nn.Linear, PackedLinear)
     return [m for m in runner.language_model.modules() if isinstance(m, kinds)] + [runner.lm_head]
 

@@ -4,10 +4,10 @@ A plain bf16 `F.linear` on the CPU goes to oneDNN too, but hands it the weight i
 so every call re-orders the whole weight into oneDNN's blocked layout before it multiplies: for a decode step,
 which streams every weight of the model once, that is a second pass over memory. Packing each weight once at
 load time (`torch.ops.mkldnn._reorder_linear_weight`, what Inductor's CPU freezing pass does) removes it.
-Measured here (bf16, Qwen2-0.5B's 169 linear layers, `docs/benchmarks.md` §7): 1 row 116 ms against 125-163
-ms, 16 rows 113 against 136-154 ms, 64 rows 166 against 266-302 ms, 300 rows 810 against 977 ms; the
-results are bitwise equal to `F.linear`'s, so HF parity is unchanged. fp32 is left alone: there oneDNN's
-packed GEMM is not bitwise equal to MKL's and is slower at one row.
+Measured here (bf16, the 169 linear layers of a Qwen2-0.5B-sized language model, `docs/benchmarks.md` 7f):
+1 row 84-116 ms against 119-163 ms, 16 rows 80-113 against 110-154, 64 rows 117-166 against 214-302, 300
+rows 703-810 against 725-977; the results are bitwise equal to `F.linear`'s, so HF parity is unchanged.
+fp32 is left alone: there oneDNN's packed GEMM is not bitwise equal to MKL's and is slower at one row.
 """
 
 from __future__ import annotations
