@@ -83,26 +83,32 @@ def test_disable_weight_packing_flag(tiny_qwen2_vl):
 
 
 @needs_bf16
-def test_encoder_packs_the_tower_and_keeps_its_embeddings(tiny_qwen2_vl):
+@pytest.mark.parametrize("arch", sorted(FAMILIES))
+def test_encoder_packs_the_tower_and_keeps_its_embeddings(arch, tiny_model):
+    """Every family's tower runs packed (SigLIP's pooling head reads `out_proj.weight` itself: not packed)."""
     from mmserve.config import MediaConfig
     from mmserve.encoder.runner import MediaInput, build_encoder
     from mmserve.models.family import load_family
     from mmserve.multimodal.items import MAIN, Modality
     from mmserve.multimodal.media import MediaRef
     from tests.conftest import random_image
-    from tests.engine_helpers import png_bytes
+    from tests.engine_helpers import png_bytes, wav_bytes
 
-    family = load_family(tiny_qwen2_vl)
+    family = load_family(tiny_model(arch))
     packed = build_encoder(family, "bfloat16", "cpu", 64, MediaConfig())
     plain = build_encoder(family, "bfloat16", "cpu", 64, MediaConfig(), pack_weights=False)
     try:
-        assert not any(isinstance(m, torch.nn.Linear) for m in packed.tower.modules())
+        assert not any(type(m) is torch.nn.Linear for m in packed.tower.modules())
         assert any(isinstance(m, PackedLinear) for m in packed.tower.modules())
         assert any(isinstance(m, torch.nn.Linear) for m in plain.tower.modules())
-        item = MediaInput(Modality.IMAGE, MediaRef.from_bytes(png_bytes(random_image(3))))
+        if arch == "qwen2_audio":
+            item = MediaInput(Modality.AUDIO, MediaRef.from_bytes(wav_bytes(5, 0.6)))
+        else:
+            item = MediaInput(Modality.IMAGE, MediaRef.from_bytes(png_bytes(random_image(3))))
         a, b = packed.encode(item), plain.encode(item)
         assert a.tensors[MAIN].dtype == torch.bfloat16
-        assert torch.equal(a.tensors[MAIN], b.tensors[MAIN])
+        for name, tensor in a.tensors.items():  # Qwen3-VL's DeepStack levels too
+            assert torch.equal(tensor, b.tensors[name]), name
     finally:
         packed.close()
         plain.close()

@@ -48,9 +48,13 @@ def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
 
 
 def pack_linears(module: torch.nn.Module) -> int:
-    """Replaces every `torch.nn.Linear` under `module` with a PackedLinear, in place; returns how many.
-    The plain weights are freed unless something else (a tied embedding) still holds them."""
-    targets = [(name, child) for name, child in module.named_modules() if isinstance(child, torch.nn.Linear)]
+    """Replaces every plain `torch.nn.Linear` under `module` with a PackedLinear, in place; returns how many.
+    The plain weights are freed unless something else (a tied embedding) still holds them.
+
+    Only modules of exactly that class are packed, and only those called as modules: a subclass can be read
+    by its owner's code through `.weight` (`nn.MultiheadAttention` hands `out_proj.weight`, a
+    `NonDynamicallyQuantizableLinear`, to its functional form, in SigLIP's pooling head)."""
+    targets = [(name, child) for name, child in module.named_modules() if type(child) is torch.nn.Linear]
     for name, linear in targets:
         parent_name, _, attr = name.rpartition(".")
         parent = module.get_submodule(parent_name) if parent_name else module
