@@ -49,8 +49,14 @@ class ForwardOutput:
 class ModelRunner:
     """Owns the language model (never a tower) and runs packed forwards over the KV pool."""
 
-    def __init__(self, family: ModelFamily, model_config: ModelConfig, dtype: str = "float32",
-                 device: str = "cpu", pack_weights: bool = True) -> None:  # fmt: skip
+    def __init__(
+        self,
+        family: ModelFamily,
+        model_config: ModelConfig,
+        dtype: str = "float32",
+        device: str = "cpu",
+        pack_weights: bool = True,
+    ) -> None:
         lm = family.load_language_model(parse_dtype(dtype), register_attention())
         self.family = family
         self.config = model_config
