@@ -72,7 +72,7 @@ def _network(text: str) -> str:
 def engine_config_from_args(args: argparse.Namespace):
     """The engine flags as an EngineConfig; `--dtype auto` is resolved here, once (mmserve.models.loader)."""
     from mmserve.config import EngineConfig
-    from mmserve.models.loader import resolve_dtype, resolve_model_path
+    from mmserve.models.resolve import resolve_dtype, resolve_model_path
 
     model = resolve_model_path(args.model)
     return EngineConfig(

@@ -6,7 +6,8 @@ Units are in the field names. Derived values are properties. Hugging Face config
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import json
+from dataclasses import asdict, dataclass, field
 
 
 @dataclass(frozen=True)
@@ -320,3 +321,22 @@ class RouterConfig:
     def anonymous_control_plane(self) -> bool:
         """The control-plane routes answer callers without a token (no secret, and the operator opted in)."""
         return self.enable_anonymous_registration and not self.cluster_secret
+
+
+# The engine process gets its config as JSON on its command line (never a pickle). These live here, not in the
+# engine's module, so that the API server can spawn the engine before it imports torch.
+def engine_config_to_json(cfg: EngineConfig) -> str:
+    return json.dumps(asdict(cfg))
+
+
+def engine_config_from_json(text: str) -> EngineConfig:
+    raw = json.loads(text)
+    media = raw.pop("media")
+    media["allowed_media_domains"] = tuple(media.get("allowed_media_domains") or ())
+    media["allowed_media_networks"] = tuple(media.get("allowed_media_networks") or ())
+    media["media_host_overrides"] = tuple(tuple(kv) for kv in media.get("media_host_overrides") or ())
+    raw["mm_processor_kwargs"] = tuple(tuple(kv) for kv in raw.get("mm_processor_kwargs") or ())
+    raw["embedding_transports"] = tuple(raw.get("embedding_transports") or ("tcp",))
+    store = raw.pop("embedding_store", None)
+    raw["embedding_store"] = EmbeddingStoreConfig(**store) if store else None
+    return EngineConfig(media=MediaConfig(**media), **raw)

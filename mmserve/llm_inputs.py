@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mmserve.config import EngineConfig, MediaConfig
-from mmserve.models.loader import resolve_dtype, resolve_model_path
+from mmserve.models.resolve import resolve_dtype, resolve_model_path
 from mmserve.multimodal.items import Modality
 from mmserve.multimodal.media import MediaRef
 from mmserve.multimodal.messages import pil_media_ref

@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from mmserve.cli import build_parser, engine_config_from_args, main, server_config_from_args
-from mmserve.models import loader
+from mmserve.models import loader, resolve
 from mmserve.server.encoder_workers import free_port
 
 
@@ -104,8 +104,8 @@ def test_dtype_auto_follows_the_checkpoint_and_the_cpu(tmp_path, monkeypatch):
     fp16_text = checkpoint(tmp_path, "fp16", {"text_config": {"dtype": "float16"}})
     fp32 = checkpoint(tmp_path, "fp32", {"dtype": "float32"})
     unsaid = checkpoint(tmp_path, "unsaid", {})
-    monkeypatch.setattr(loader, "cpu_has_bf16", lambda: True)
-    assert [loader.resolve_dtype(p, "auto") for p in (bf16, fp16_text, fp32, unsaid)] == [
+    monkeypatch.setattr(resolve, "cpu_has_bf16", lambda: True)
+    assert [resolve.resolve_dtype(p, "auto") for p in (bf16, fp16_text, fp32, unsaid)] == [
         "bfloat16",
         "bfloat16",  # float16 has no fast CPU kernels
         "float32",
@@ -113,24 +113,24 @@ def test_dtype_auto_follows_the_checkpoint_and_the_cpu(tmp_path, monkeypatch):
     ]
     assert engine_config_from_args(parse("serve", bf16)).dtype == "bfloat16"  # resolved once, in the config
     assert engine_config_from_args(parse("serve", bf16, "--dtype", "fp32")).dtype == "float32"
-    monkeypatch.setattr(loader, "cpu_has_bf16", lambda: False)
-    assert loader.resolve_dtype(bf16, "auto") == "float32"
-    assert loader.resolve_dtype(bf16, "bf16") == "bfloat16"  # an explicit choice is kept
+    monkeypatch.setattr(resolve, "cpu_has_bf16", lambda: False)
+    assert resolve.resolve_dtype(bf16, "auto") == "float32"
+    assert resolve.resolve_dtype(bf16, "bf16") == "bfloat16"  # an explicit choice is kept
     with pytest.raises(ValueError, match="resolve"):
         loader.parse_dtype("auto")  # nothing downstream may guess
     with pytest.raises(ValueError, match="unknown dtype"):
-        loader.resolve_dtype(bf16, "int8")
+        resolve.resolve_dtype(bf16, "int8")
 
 
 def test_tiny_models_stay_float32_and_the_llm_resolves_auto(tiny_qwen2_vl, tmp_path, monkeypatch):
     from mmserve.llm import LLM
 
-    assert loader.resolve_dtype(tiny_qwen2_vl, "auto") == "float32"
+    assert resolve.resolve_dtype(tiny_qwen2_vl, "auto") == "float32"
     copy = tmp_path / "bf16"
     shutil.copytree(tiny_qwen2_vl, copy)
     config = json.loads((copy / "config.json").read_text())
     (copy / "config.json").write_text(json.dumps({**config, "dtype": "bfloat16"}))
-    monkeypatch.setattr(loader, "cpu_has_bf16", lambda: True)
+    monkeypatch.setattr(resolve, "cpu_has_bf16", lambda: True)
     assert LLM(str(copy), kv_cache_mb=4).engine.cfg.dtype == "bfloat16"
 
 

@@ -293,8 +293,7 @@ def test_outages_degrade_within_the_timeout_and_the_store_comes_back(tiny_qwen2_
 
 def test_flags_become_one_config_that_survives_the_engine_json():
     from mmserve.cli import build_parser, embedding_store_config_from_args
-    from mmserve.config import EngineConfig
-    from mmserve.engine.loop import engine_config_from_json, engine_config_to_json
+    from mmserve.config import EngineConfig, engine_config_from_json, engine_config_to_json
 
     argv = "--model m --embedding-store mooncake://10.0.0.9:50051 --embedding-store-timeout-s 0.25".split()
     for command in ("serve", "encoder"):

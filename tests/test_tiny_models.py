@@ -13,7 +13,8 @@ import torch
 from transformers import AutoModelForImageTextToText, AutoModelForMultimodalLM, AutoTokenizer
 
 from mmserve.models.family import FAMILIES
-from mmserve.models.loader import load_model_config, resolve_model_path
+from mmserve.models.loader import load_model_config
+from mmserve.models.resolve import resolve_model_path
 from mmserve.testing.tiny_models import KIT, ensure_tiny_model, make_hf_config
 
 ARCHS = sorted(KIT)

@@ -135,7 +135,7 @@ def _compare(args: argparse.Namespace) -> int:
 def _engine(args: argparse.Namespace) -> int:
     from mmserve.bench import engine_bench
     from mmserve.bench.workload import parse_size
-    from mmserve.models.loader import resolve_dtype, resolve_model_path
+    from mmserve.models.resolve import resolve_dtype, resolve_model_path
 
     model = resolve_model_path(args.model)
     dtype = resolve_dtype(model, args.dtype)
@@ -190,7 +190,7 @@ def _transfer(args: argparse.Namespace) -> int:
 
 def _kv(args: argparse.Namespace) -> int:
     from mmserve.bench import kv_bench
-    from mmserve.models.loader import resolve_dtype, resolve_model_path
+    from mmserve.models.resolve import resolve_dtype, resolve_model_path
 
     model = resolve_model_path(args.model)
     lens = [int(x) for x in args.prompt_lens.split(",")]

@@ -101,7 +101,7 @@ def compare(
             for name, flags in configs.items():
                 if name == "hf":
                     from mmserve.bench.hf_baseline import HFBaseline
-                    from mmserve.models.loader import resolve_dtype, resolve_model_path
+                    from mmserve.models.resolve import resolve_dtype, resolve_model_path
 
                     # in the dtype `mmserve serve` picks by default (--dtype auto), so both compute alike
                     path = resolve_model_path(model_dir)

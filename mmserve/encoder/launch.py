@@ -34,7 +34,7 @@ def serve_encoder(cfg: EncoderConfig, log_level: str = "info") -> int:
         service.close()
 
     app.router.lifespan_context = lifespan
-    # A requested shutdown is a clean exit: see mmserve.server.launch.serve.
+    # A requested shutdown is a clean exit: see mmserve.server.launch.serve_async.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: None)
     server = uvicorn.Server(uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=log_level,

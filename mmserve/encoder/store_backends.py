@@ -10,11 +10,15 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from mmserve.config import EmbeddingStoreConfig
-from mmserve.encoder.store_entry import EntryRejected
 
 
 class StoreError(RuntimeError):
     """The store failed or is unreachable (it trips the back-off)."""
+
+
+class EntryRejected(ValueError):
+    """An entry is not a valid, signed embedding of the requested item for this model (or is too large to
+    read). Defined here, beside StoreError, so that the CLI can check `--embedding-store` without torch."""
 
 
 class StoreBackend(Protocol):

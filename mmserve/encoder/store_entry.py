@@ -28,6 +28,7 @@ import struct
 from collections.abc import Sequence
 from pathlib import Path
 
+from mmserve.encoder.store_backends import EntryRejected
 from mmserve.multimodal.items import ItemEmbedding
 from mmserve.transport.embedding_wire import ITEM_ALIGN, EmbeddingItem, WireError, decode_part, encode_part
 
@@ -40,10 +41,6 @@ _PREFIX = struct.Struct("<4sBBxxII")  # magic, version, flags, (reserved), heade
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 FINGERPRINT_SAMPLES = 16  # blocks of each weight file hashed into the fingerprint
 FINGERPRINT_BLOCK_BYTES = 64 * 1024
-
-
-class EntryRejected(ValueError):
-    """An entry is not a valid, signed embedding of the requested item for this model."""
 
 
 def model_fingerprint(model_path: str, model_type: str, tower_dtype: str, widths: dict[str, int]) -> str:

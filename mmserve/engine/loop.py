@@ -14,18 +14,15 @@ or when its parent process is gone (no orphans).
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import signal
-import sys
 import time
-from dataclasses import asdict
 
 import msgspec
 import zmq
 
-from mmserve.config import EmbeddingStoreConfig, EngineConfig, MediaConfig
+from mmserve.config import engine_config_from_json
 from mmserve.disagg.handoffs import Handoffs
 from mmserve.encoder.runner import build_encoder
 from mmserve.engine.engine import BatchFailed, Engine
@@ -40,23 +37,6 @@ logger = logging.getLogger("mmserve.engine")
 STATS_INTERVAL_S = 0.25
 IDLE_POLL_MS = 20
 WAITING_POLL_MS = 2
-
-
-def engine_config_to_json(cfg: EngineConfig) -> str:
-    return json.dumps(asdict(cfg))
-
-
-def engine_config_from_json(text: str) -> EngineConfig:
-    raw = json.loads(text)
-    media = raw.pop("media")
-    media["allowed_media_domains"] = tuple(media.get("allowed_media_domains") or ())
-    media["allowed_media_networks"] = tuple(media.get("allowed_media_networks") or ())
-    media["media_host_overrides"] = tuple(tuple(kv) for kv in media.get("media_host_overrides") or ())
-    raw["mm_processor_kwargs"] = tuple(tuple(kv) for kv in raw.get("mm_processor_kwargs") or ())
-    raw["embedding_transports"] = tuple(raw.get("embedding_transports") or ("tcp",))
-    store = raw.pop("embedding_store", None)
-    raw["embedding_store"] = EmbeddingStoreConfig(**store) if store else None
-    return EngineConfig(media=MediaConfig(**media), **raw)
 
 
 class EngineLoop:
@@ -312,4 +292,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from mmserve.fast_exit import exit_now
+
+    exit_now(main())

@@ -17,6 +17,10 @@ from mmserve.config import EngineConfig
 from mmserve.server.parent_watch import child_of_this_process
 from mmserve.transport.cluster_auth import child_env
 
+UNHEALTHY_STRIKES = (
+    3  # failed health checks in a row that end the start-up (a refused connection is no strike)
+)
+
 
 def free_port() -> int:
     """A port free on 127.0.0.1 now; another process may still take it before the child binds it."""
@@ -63,18 +67,27 @@ class EncoderWorkers:
             self.urls.append(f"http://127.0.0.1:{port}")
 
     async def wait_healthy(self, timeout_s: float) -> None:
-        """Raises RuntimeError if a worker exits or is not healthy in time."""
+        """Raises RuntimeError, naming the worker and why, as soon as one exits, answers its health check
+        with a failure `UNHEALTHY_STRIKES` times in a row (a tower that cannot encode at start-up will not
+        start to later), or is not healthy within `timeout_s`."""
         deadline = asyncio.get_running_loop().time() + timeout_s
         async with httpx.AsyncClient(timeout=2.0) as http:
             for proc, url in zip(self.procs, self.urls, strict=True):
+                strikes = 0
                 while True:
                     if proc.poll() is not None:
                         raise RuntimeError(f"encoder worker {url} exited with code {proc.returncode}")
-                    try:
-                        if (await http.get(url + "/health")).status_code == 200:
-                            break
+                    try:  # not listening yet: httpx.ConnectError, keep waiting
+                        response = await http.get(url + "/health")
                     except httpx.HTTPError:
-                        pass
+                        response = None
+                    if response is not None and response.status_code == 200:
+                        break
+                    if response is not None:
+                        strikes += 1
+                        if strikes >= UNHEALTHY_STRIKES:
+                            reason = _reason(response)
+                            raise RuntimeError(f"encoder worker {url} is unhealthy at start-up: {reason}")
                     if asyncio.get_running_loop().time() > deadline:
                         raise RuntimeError(f"encoder worker {url} not healthy after {timeout_s}s")
                     await asyncio.sleep(0.2)
@@ -94,3 +107,14 @@ class EncoderWorkers:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+
+
+def _reason(response: httpx.Response) -> str:
+    """The `reason` an encoder's failed /health names, or the start of whatever else answered."""
+    try:
+        body = response.json()
+    except ValueError:
+        body = None
+    if isinstance(body, dict) and body.get("reason"):
+        return str(body["reason"])
+    return f"HTTP {response.status_code}: {response.text[:200]}"

@@ -20,7 +20,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from mmserve.config import EngineConfig
+from mmserve.config import EngineConfig, engine_config_to_json
 from mmserve.transport import messages as m
 from mmserve.transport.cluster_auth import child_env
 
@@ -61,11 +61,17 @@ class EngineClient:
 
     # -- lifecycle ----------------------------------------------------------------------------------
     async def start(self, timeout_s: float = 600.0) -> m.ReadyMsg:
-        from mmserve.engine.loop import engine_config_to_json
+        self.spawn()
+        return await self.wait_ready(timeout_s)
 
+    def spawn(self) -> None:
+        """Start the engine process (returns at once; `wait_ready` waits for its ReadyMsg)."""
         cmd = [sys.executable, "-m", "mmserve.engine.loop", "--config", engine_config_to_json(self.cfg),
                "--input-addr", self.input_addr, "--output-addr", self.output_addr, "--log-level", self.log_level]  # fmt: skip
         self.proc = subprocess.Popen(cmd, env=child_env(self.cluster_secret))
+
+    async def wait_ready(self, timeout_s: float = 600.0) -> m.ReadyMsg:
+        assert self.proc is not None, "spawn() first"
         deadline = asyncio.get_running_loop().time() + timeout_s
         while self.ready is None:
             if self.proc.poll() is not None:
@@ -88,7 +94,8 @@ class EngineClient:
         self._closed = True
         for task in self._tasks:
             task.cancel()
-        if self.proc is not None and self.proc.poll() is None:
+        # An engine still booting reads no messages until it is ready: it gets SIGTERM at once.
+        if self.proc is not None and self.proc.poll() is None and self.ready is not None:
             try:
                 await self.to_engine.send(self.encoder.encode(m.ShutdownReq()), flags=zmq.NOBLOCK)
             except zmq.ZMQError:
@@ -97,13 +104,13 @@ class EngineClient:
                 if self.proc.poll() is not None:
                     break
                 await asyncio.sleep(0.1)
-            if self.proc.poll() is None:
-                self.proc.terminate()
-                try:
-                    self.proc.wait(timeout=5)
-                except subprocess.TimeoutExpired:
-                    self.proc.kill()
-                    self.proc.wait()
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
         self.to_engine.close(0)
         self.from_engine.close(0)
         self.ctx.term()

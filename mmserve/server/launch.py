@@ -81,12 +81,6 @@ def warn_about_control_plane(cfg: ServerConfig) -> None:
 
 
 async def serve_async(server_cfg: ServerConfig, engine_cfg: EngineConfig) -> int:
-    from mmserve.models.family import load_family
-    from mmserve.models.loader import load_tokenizer
-    from mmserve.server.api import build_app
-    from mmserve.server.metrics import ServerMetrics
-    from mmserve.server.stats_log import start_stats_log
-
     warn_about_control_plane(server_cfg)
     if server_cfg.cluster_secret is None and not _is_loopback(engine_cfg.embedding_host):
         logger.warning(
@@ -111,44 +105,51 @@ async def serve_async(server_cfg: ServerConfig, engine_cfg: EngineConfig) -> int
         engine_cfg, server_cfg.encoder_workers, server_cfg.log_level, server_cfg.cluster_secret
     )
 
-    def load_text_side():  # on a thread while the engine boots: the tokenizer and the family's request rules
-        mm_kwargs = dict(engine_cfg.mm_processor_kwargs)
-        return load_tokenizer(engine_cfg.model), load_family(engine_cfg.model, mm_processor_kwargs=mm_kwargs)
-
-    text_side = asyncio.create_task(asyncio.to_thread(load_text_side))
-    try:
-        ready = await client.start(server_cfg.engine_start_timeout_s)
-        tokenizer, family = await text_side
-    except (EngineDeadError, ValueError, OSError) as e:
-        logger.error("%s", e)
-        workers.stop()
-        await client.shutdown()
-        return 1
-    print(f"mmserve: engine ready: KV cache {ready.kv_cache_tokens} tokens "
-          f"({ready.kv_cache_bytes / 2**20:.1f} MB, {ready.kv_bytes_per_token} bytes/token), "
-          f"max model len {ready.max_model_len}", flush=True)  # fmt: skip
-    logger.info(
-        "model %s: dtype %s, device %s, max model len %d",
-        engine_cfg.model,
-        engine_cfg.dtype,
-        engine_cfg.device,
-        ready.max_model_len,
-    )
-    dispatcher = build_dispatcher(server_cfg, engine_cfg, client, ready, workers.urls)
-    try:
+    async def start_up():
+        client.spawn()
+        # This process's own heavy imports (torch, transformers, fastapi: seconds on a small machine), the
+        # tokenizer and the family's request rules load on a thread while the engine boots.
+        text_side = asyncio.create_task(asyncio.to_thread(_load_text_side, engine_cfg))
+        ready = await client.wait_ready(server_cfg.engine_start_timeout_s)
+        tokenizer, family, api = await text_side
+        kv_mb = ready.kv_cache_bytes / 2**20
+        print(
+            f"mmserve: engine ready: KV cache {ready.kv_cache_tokens} tokens ({kv_mb:.1f} MB, "
+            f"{ready.kv_bytes_per_token} bytes/token), max model len {ready.max_model_len}",
+            flush=True,
+        )
+        logger.info(
+            "model %s: dtype %s, device %s, max model len %d",
+            *(engine_cfg.model, engine_cfg.dtype, engine_cfg.device, ready.max_model_len),
+        )
         await workers.wait_healthy(server_cfg.engine_start_timeout_s)
-    except RuntimeError as e:
+        return ready, tokenizer, family, api
+
+    try:
+        ready, tokenizer, family, api = await _cancelled_by_signals(start_up())
+    except asyncio.CancelledError:  # SIGINT / SIGTERM before the server was up: a requested, clean stop
+        print("mmserve: stopped during start-up", file=sys.stderr, flush=True)
+        failed = 0
+    except (EngineDeadError, RuntimeError, ValueError, OSError) as e:
         logger.error("%s", e)
+        failed = 1
+    else:
+        failed = None
+    if failed is not None:
         workers.stop()
         await client.shutdown()
-        return 1
+        return failed
+    dispatcher = build_dispatcher(server_cfg, engine_cfg, client, ready, workers.urls)
     for url in (*server_cfg.encoder_urls, *workers.urls):
         dispatcher.registry.add_static(url)
     if dispatcher.registry.all():
         print(f"mmserve: EPD with encoders {[e.url for e in dispatcher.registry.all()]} "
               f"(routing {server_cfg.encoder_routing})", flush=True)  # fmt: skip
+    from mmserve.server.metrics import ServerMetrics
+    from mmserve.server.stats_log import start_stats_log
+
     metrics = ServerMetrics(server_cfg.served_model_name, ready.max_model_len)
-    app = build_app(server_cfg, client, tokenizer, family, metrics, dispatcher)
+    app = api.build_app(server_cfg, client, tokenizer, family, metrics, dispatcher)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
@@ -171,6 +172,10 @@ async def serve_async(server_cfg: ServerConfig, engine_cfg: EngineConfig) -> int
     config = uvicorn.Config(app, host=server_cfg.host, port=server_cfg.port, log_level=server_cfg.log_level,
                             timeout_graceful_shutdown=5)  # fmt: skip
     server = _Server(config, client)
+    # uvicorn re-raises the signal that stopped it once it has shut down, through the handler that was installed
+    # before it ran. A requested shutdown is a clean exit (status 0): make that earlier handler a no-op.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: None)
     try:
         await server.serve()
     finally:
@@ -178,6 +183,31 @@ async def serve_async(server_cfg: ServerConfig, engine_cfg: EngineConfig) -> int
         if not client.dead and client.proc is not None and client.proc.poll() is None:
             await client.shutdown()
     return exit_code if server.started else max(exit_code, 1)
+
+
+def _load_text_side(engine_cfg: EngineConfig):
+    from mmserve.models.family import load_family
+    from mmserve.models.loader import load_tokenizer
+    from mmserve.server import api
+
+    family = load_family(engine_cfg.model, mm_processor_kwargs=dict(engine_cfg.mm_processor_kwargs))
+    return load_tokenizer(engine_cfg.model), family, api
+
+
+async def _cancelled_by_signals(coro):
+    """Await `coro`, cancelling it on SIGINT / SIGTERM (raises CancelledError then). uvicorn handles those
+    signals only once it serves; a server still starting (an engine booting, an encoder worker not yet
+    healthy) must stop when asked, not minutes later."""
+    loop = asyncio.get_running_loop()
+    task = asyncio.ensure_future(coro)
+    signals = (signal.SIGINT, signal.SIGTERM)
+    for sig in signals:
+        loop.add_signal_handler(sig, task.cancel)
+    try:
+        return await task
+    finally:
+        for sig in signals:
+            loop.remove_signal_handler(sig)
 
 
 class _Server(uvicorn.Server):
@@ -198,8 +228,4 @@ def serve(server_cfg: ServerConfig, engine_cfg: EngineConfig) -> int:
     logging.basicConfig(
         level=server_cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    # uvicorn re-raises the signal that stopped it once it has shut down, through the handler that was installed
-    # before it ran. A requested shutdown is a clean exit (status 0): make that earlier handler a no-op.
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: None)
     return asyncio.run(serve_async(server_cfg, engine_cfg))
