@@ -9,7 +9,9 @@ import httpx
 import pytest
 
 from mmserve.engine.request import text_prefill_id
+from mmserve.engine.sampling_params import SamplingParams
 from mmserve.multimodal.messages import parse_messages
+from mmserve.testing.probes import metric
 from tests.engine_helpers import image_case, reference_text
 from tests.test_engine_parity import MAX_NEW, assert_idle_and_clean, greedy, make_llm, make_oracle
 
@@ -42,7 +44,7 @@ def test_text_prefilled_during_the_encode_is_reused_exactly(tiny_qwen2_vl, oracl
     case = image_case([95, 96], "What changed?", system=SYSTEM)
     ids, items = prompt_and_items(llm, case)
     engine = llm.engine
-    assert engine.prefill_text_before_media("r", ids)
+    assert engine.prefill_before_media("r", ids)
     for _ in range(text_steps):  # the encode takes this long
         assert engine.step() == []  # a text prefill samples nothing
     req = engine.add_request("r", ids, greedy(), items)
@@ -62,7 +64,68 @@ def test_text_prefilled_during_the_encode_is_reused_exactly(tiny_qwen2_vl, oracl
     assert min(starts) >= text_len - 1  # the request computed none of the text again
     # ... and does not report its own text prefill as reuse of other requests' work (usage.cached_tokens)
     assert req.own_prefill_tokens == text_len and req.num_cached_tokens == 0
-    assert text_prefill_id("r") not in engine.requests and not engine.text_prefilled
+    assert text_prefill_id("r") not in engine.requests and not engine.overlap.prefilled
+    assert_idle_and_clean(llm)
+
+
+@pytest.mark.parametrize("text_steps", [1, 100], ids=["text-running", "text-done"])
+def test_items_arriving_in_order_are_prefilled_in_stages(tiny_qwen2_vl, oracle, text_steps):
+    llm = make_llm(tiny_qwen2_vl, max_num_batched_tokens=8)  # chunks end inside the text and the images
+    case = image_case([101, 102, 103], "Which one is odd?", system=SYSTEM)
+    ids, items = prompt_and_items(llm, case)
+    engine = llm.engine
+    assert engine.prefill_before_media("r", ids)  # its text, while the first image encodes
+    for _ in range(text_steps):
+        assert engine.step() == []
+    assert engine.prefill_before_media("r", ids, items[:1])  # the first image is here
+    assert engine.prefill_before_media(
+        "r", ids, items[:2]
+    )  # and the second (it replaces a stage still waiting)
+    assert "r" in engine.overlap.waiting  # one stage at a time: this one follows the running one
+    for _ in range(200):  # bounded: a few chunks per stage
+        if not engine.has_work:
+            break
+        assert engine.step() == []
+    req = engine.add_request("r", ids, greedy(), items)  # the third image: the request itself
+    third = req.items[2].offset  # where the last image starts in the expanded prompt
+    starts = []
+    schedule = engine.scheduler.schedule
+
+    def recording():
+        chunks = schedule()
+        starts.extend(c.start for c in chunks if c.request is req)
+        return chunks
+
+    engine.scheduler.schedule = recording
+    assert run(llm, "r") == oracle(case).token_ids
+    assert min(starts) >= third - 1  # the stages computed everything before the last image, once
+    assert req.own_prefill_tokens == third and req.num_cached_tokens == 0
+    assert engine.scheduler.stats.prefix_hit_tokens == 0  # a stage's reuse of the previous one is no hit
+    assert engine.overlap.tokens == third and engine.overlap.stages == 3 - (text_steps == 1)
+    assert not engine.overlap.waiting and not engine.overlap.prefilled
+    assert_idle_and_clean(llm)
+
+
+def test_a_request_with_several_choices_reuses_its_stage_and_leaves_nothing_behind(tiny_qwen2_vl, oracle):
+    llm = make_llm(tiny_qwen2_vl, max_num_batched_tokens=8)
+    case = image_case([104], "Name it.", system=SYSTEM)
+    ids, items = prompt_and_items(llm, case)
+    engine = llm.engine
+    assert engine.prefill_before_media("g", ids)
+    engine.step()  # the text stage is under way when the request is added
+    params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, n=2)
+    first = engine.add_request("g", ids, params, items)
+    text_len = ids.index(engine.family.placeholders[next(iter(engine.family.placeholders))])
+    tokens = {0: [], 1: []}
+    for _ in range(300):  # bounded: the stage, both choices' prefill and MAX_NEW decode steps
+        if not engine.has_work:
+            break
+        for o in engine.step():
+            if o.token_id is not None:
+                tokens[o.request.index].append(o.token_id)
+    assert tokens[0] == tokens[1] == oracle(case).token_ids
+    assert first.own_prefill_tokens == text_len and first.num_cached_tokens == 0
+    assert not engine.overlap.prefilled and not engine.overlap.waiting
     assert_idle_and_clean(llm)
 
 
@@ -71,20 +134,20 @@ def test_no_text_prefill_for_cached_or_short_text_and_abort_ends_it(tiny_qwen2_v
     engine = llm.engine
     ids, _ = prompt_and_items(llm, image_case([97], "Hi", system=SYSTEM + " Again."))
     image_id = engine.family.placeholders[next(iter(engine.family.placeholders))]
-    assert not engine.prefill_text_before_media("short", ids[:5] + [image_id] + ids[-5:])  # 5 tokens of text
-    assert engine.prefill_text_before_media("a", ids)
+    assert not engine.prefill_before_media("short", ids[:5] + [image_id] + ids[-5:])  # 5 tokens of text
+    assert engine.prefill_before_media("a", ids)
     engine.abort("a")  # the request went away while its media encoded: its text prefill goes too
     assert not engine.has_work and text_prefill_id("a") not in engine.requests
-    assert engine.prefill_text_before_media("b", ids)
+    assert engine.prefill_before_media("b", ids)
     run(llm, "b")
-    assert not engine.prefill_text_before_media("c", ids)  # cached already: nothing to overlap
+    assert not engine.prefill_before_media("c", ids)  # cached already: nothing to overlap
     assert_idle_and_clean(llm)
 
 
 def test_disabled_prefix_cache_means_no_overlap(tiny_qwen2_vl):
     llm = make_llm(tiny_qwen2_vl, enable_prefix_caching=False)
     ids, _ = prompt_and_items(llm, image_case([98], "Hi", system=SYSTEM))
-    assert not llm.engine.prefill_text_before_media("r", ids)
+    assert not llm.engine.prefill_before_media("r", ids)
 
 
 def chat(url: str, case) -> dict:
@@ -102,6 +165,9 @@ def expected(tiny_qwen2_vl):
 def test_monolithic_and_epd_servers_overlap_and_match_hf(shared_server, shared_secured_epd_process, expected):
     epd = shared_secured_epd_process.get()
     for url, seed in ((shared_server.url, 120), (epd.url, 121)):
+        stages, tokens = (
+            metric(url, f"encode_prefill_overlap_{what}_total") for what in ("stages", "tokens")
+        )
         case = image_case([seed], "Describe it.", system=f"{SYSTEM} Session {seed}.")  # new to both caches
         answer, again = chat(url, case), chat(url, case)
         assert answer["choices"][0]["message"]["content"] == again["choices"][0]["message"]["content"]
@@ -110,6 +176,14 @@ def test_monolithic_and_epd_servers_overlap_and_match_hf(shared_server, shared_s
         # most the template's first tokens were cached by other modules' requests on the shared server.
         first, second = (r["usage"]["prompt_tokens_details"]["cached_tokens"] for r in (answer, again))
         assert first < 20 and second > first + 40, (answer["usage"], again["usage"])
+        assert metric(url, "encode_prefill_overlap_stages_total") >= stages + 1
+        assert metric(url, "encode_prefill_overlap_tokens_total") >= tokens + 40
+        # Several images: stages up to each next image as they arrive (whether a stage still runs when the
+        # next image is here depends on timing; the answer may not).
+        several = image_case(
+            [seed + 10, seed + 11, seed + 12], "Compare them.", system=f"{SYSTEM} Set {seed}."
+        )
+        assert chat(url, several)["choices"][0]["message"]["content"] == expected(several)
 
 
 def test_a_failed_text_prefill_releases_its_request(tiny_qwen2_vl, oracle):
@@ -117,7 +191,7 @@ def test_a_failed_text_prefill_releases_its_request(tiny_qwen2_vl, oracle):
     case = image_case([99], "What is it?", system=SYSTEM)
     ids, items = prompt_and_items(llm, case)
     engine = llm.engine
-    assert engine.prefill_text_before_media("r", ids)
+    assert engine.prefill_before_media("r", ids)
     engine.step()
     req = engine.add_request("r", ids, greedy(), items)  # held behind its text prefill...
     engine.abort(text_prefill_id("r"), "error")  # ...which fails (as in a failed batch)

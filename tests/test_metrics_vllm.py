@@ -212,7 +212,7 @@ def engine_stats(sched: Scheduler) -> StatsMsg:
         held_bytes=0,
     )
     loop = SimpleNamespace(
-        engine=SimpleNamespace(scheduler=sched, pool=sched.pool),
+        engine=SimpleNamespace(scheduler=sched, pool=sched.pool, overlap=SimpleNamespace(stages=0, tokens=0)),
         intake=intake,
         handoffs=SimpleNamespace(stats=dict),
     )

@@ -12,7 +12,7 @@ the same item compute it once (single-flight in the cache, which covers the stor
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -132,10 +132,15 @@ class MultimodalEncoder:
         return encoded
 
     def encode_all(
-        self, media: list[MediaInput], timings: EncodeTimings, max_pixels: int | None = None
+        self,
+        media: list[MediaInput],
+        timings: EncodeTimings,
+        max_pixels: int | None = None,
+        on_item: Callable[[list[ItemEmbedding]], None] | None = None,
     ) -> list[ItemEmbedding]:
         """Every item of a request, in order. Raises MediaError naming the item ("image #2: ..."); with
-        `max_pixels`, stops at the item that crosses the limit (the rest is never encoded)."""
+        `max_pixels`, stops at the item that crosses the limit (the rest is never encoded). `on_item` gets
+        the items encoded so far after each one but the last (encode-prefill overlap)."""
         out, seen = [], {}
         for item in media:
             seen[item.modality] = seen.get(item.modality, 0) + 1
@@ -144,6 +149,8 @@ class MultimodalEncoder:
             except MediaError as e:
                 raise type(e)(str(e), item=f"{item.modality.value} #{seen[item.modality]}") from e
             check_pixel_limit(self.family, out, max_pixels)
+            if on_item is not None and len(out) < len(media):
+                on_item(list(out))
         return out
 
     def health_probe(self, timeout_s: float = 30.0) -> None:

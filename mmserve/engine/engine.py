@@ -13,16 +13,18 @@ import concurrent.futures
 import contextlib
 import logging
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from mmserve.config import EngineConfig, ModelConfig
-from mmserve.engine.cache_salt import check_cache_salt, prefix_key
+from mmserve.engine.cache_salt import check_cache_salt
 from mmserve.engine.kv_pool import KVPool
 from mmserve.engine.logits_processors import RowState
 from mmserve.engine.logprobs import TokenLogprobs, token_logprobs
 from mmserve.engine.model_runner import ModelRunner
+from mmserve.engine.overlap import OverlapStages
 from mmserve.engine.radix_cache import NoPrefixCache, RadixCache
 from mmserve.engine.request import TEXT_PREFILL_SUFFIX, Request, choice_id, text_prefill_id
 from mmserve.engine.sampler import Sampler, make_generator
@@ -34,7 +36,6 @@ from mmserve.multimodal.embedding import PlacedEmbedding
 from mmserve.multimodal.items import ItemEmbedding, MultimodalItem
 
 logger = logging.getLogger(__name__)
-MIN_OVERLAP_TOKENS = 16  # shorter text before the first item is not worth an extra request
 
 
 class BatchFailed(RuntimeError):
@@ -113,9 +114,7 @@ class Engine:
         self.groups: dict[str, list[Request]] = {}  # n > 1: group id -> its choices
         # n > 1: choices that wait until the first choice's prompt is in the prefix cache (prefilled once)
         self.held: dict[str, list[Request]] = {}
-        # Encode-prefill overlap: request id -> tokens its finished text prefill computed, until it is added
-        # (they are its own work, not prefix-cache reuse: `cached_tokens` leaves them out)
-        self.text_prefilled: dict[str, int] = {}
+        self.overlap = OverlapStages(self)  # encode-prefill overlap: a request's prompt prefilled in stages
         per_token = KVPool.bytes_per_token(self.model_config.num_layers, self.model_config.num_kv_heads,
                                            self.model_config.head_dim, parse_dtype(cfg.dtype))  # fmt: skip
         logger.info(
@@ -147,7 +146,7 @@ class Engine:
         """
         if request_id in self.requests:
             raise ValueError(f"duplicate request id {request_id!r}")
-        own_prefill = self.text_prefilled.pop(request_id, 0)
+        own_prefill = self.overlap.claim(request_id)
         check_cache_salt(cache_salt)
         for item in items:
             self.family.check_item(item)
@@ -218,45 +217,21 @@ class Engine:
             self.held[request_id] = choices[1:]
         return choices[0]
 
-    def prefill_text_before_media(
-        self, request_id: str, prompt_token_ids: list[int], cache_salt: str | None = None
+    def prefill_before_media(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        items: Sequence[ItemEmbedding] = (),
+        cache_salt: str | None = None,
     ) -> bool:
-        """Encode-prefill overlap: while a request's media are encoded, prefill its text before the first item
-        into the prefix cache, as an internal request (`text_prefill_id`) that samples nothing. The request,
-        once added with its items, waits for that prefill and reuses it: the same KV as computing it in one go
-        (positions before the first item do not depend on the items). Returns whether one was queued: not
-        for a short text, an already cached one, or without a prefix cache."""
-        placeholders = set(getattr(self.family, "placeholders", {}).values())
-        cut = next((i for i, t in enumerate(prompt_token_ids) if t in placeholders), 0)
-        cache = self.scheduler.prefix_cache
-        if cut < MIN_OVERLAP_TOKENS or isinstance(cache, NoPrefixCache) or request_id in self.requests:
-            return False
-        text = prompt_token_ids[:cut]
-        if cache.cached_len(prefix_key(text, cache_salt)) >= cut - 1:
-            return False
-        params = SamplingParams(temperature=0, max_tokens=1)
-        try:
-            self.add_request(text_prefill_id(request_id), text, params, [], cache_salt, prefill_only=True)
-        except ValueError:  # too long for the context or the pool: the request itself will say so
-            return False
-        return True
+        """Encode-prefill overlap (mmserve.engine.overlap): while a request's media are encoded, prefill its
+        prompt up to its first item not in `items` (those ready, in prompt order) into the prefix cache; called
+        again as more items arrive. Returns whether a stage was started or is waiting."""
+        return self.overlap.prefill_before(request_id, prompt_token_ids, items, cache_salt)
 
     def drop_text_prefill(self, request_id: str, reason: str = "abort") -> None:
-        """The request will not be added (it failed before admission, or was aborted): end its text
-        prefill if one runs; what it computed stays in the prefix cache."""
-        self.abort(text_prefill_id(request_id), reason)
-        self.text_prefilled.pop(request_id, None)
-
-    def _end_text_prefill(self, text: Request) -> None:
-        self.scheduler.finish(text, "prefilled")
-        self.requests.pop(text.request_id, None)
-        owner_id = text.request_id.removesuffix(TEXT_PREFILL_SUFFIX)
-        computed = text.prompt_len - text.num_cached_tokens
-        owner = self.requests.get(owner_id)
-        if owner is not None:  # added already, held until now
-            owner.own_prefill_tokens = computed
-        else:
-            self.text_prefilled[owner_id] = computed
+        """The request will not be added (it failed before admission, or was aborted): end its overlap stages."""
+        self.overlap.drop(request_id, reason)
 
     def _check_vocab(self, params: SamplingParams) -> None:
         vocab = self.model_config.vocab_size
@@ -295,7 +270,8 @@ class Engine:
             text = self.requests.pop(request_id, None)
             if text is not None:
                 self.scheduler.finish(text, reason)
-                self._release_held(text)  # it computes its text itself
+                self.overlap.aborted(request_id)
+                self._release_held(text)  # it computes the rest itself
             return
         self.drop_text_prefill(request_id, reason)
         group = self.groups.pop(request_id, None)
@@ -350,7 +326,7 @@ class Engine:
             if chunk.start < chunk.request.prompt_len <= chunk.end:
                 self.scheduler.cache_prompt(chunk.request)
                 if chunk.request.prefill_only:  # a text prefill is done once its KV is in the cache
-                    self._end_text_prefill(chunk.request)
+                    self.overlap.finished(chunk.request)
                 self._release_held(chunk.request)
         for i, logits in out.prompt_logits.items():
             self._add_prompt_logprobs(chunks[i], logits)

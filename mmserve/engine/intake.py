@@ -22,12 +22,12 @@ from dataclasses import dataclass
 
 from mmserve.encoder.runner import EncodeTimings, MediaInput, MultimodalEncoder
 from mmserve.engine.engine import Engine
-from mmserve.engine.receiver import Complete, Failed, PartAssembler
+from mmserve.engine.receiver import Complete, Failed, PartAssembler, Progress
 from mmserve.models.family import EmbeddingMismatch
 from mmserve.multimodal.errors import EncoderUnavailableError, MediaError
 from mmserve.multimodal.items import ItemEmbedding, Modality
 from mmserve.multimodal.media import MediaRef
-from mmserve.multimodal.precomputed import merge, to_encode
+from mmserve.multimodal.precomputed import merge, merge_prefix, to_encode
 from mmserve.transport import messages as m
 from mmserve.transport.channel import PartReceiver
 from mmserve.transport.cluster_auth import PartRejected
@@ -62,11 +62,22 @@ class _RequestEncoded:
 
 
 @dataclass
+class _ItemsEncoded:
+    """A worker thread encoded a monolithic request's first items, not yet all (encode-prefill overlap)."""
+
+    request_id: str
+    items: list[ItemEmbedding]
+
+
+@dataclass
 class _PartEncoded:
     """A worker thread encoded one EPD part locally (dispatcher failover), as if an encoder had sent it."""
 
     header: PartHeader
     items: list[EmbeddingItem]
+
+
+_WorkerResult = _RequestEncoded | _ItemsEncoded | _PartEncoded
 
 
 class Intake:
@@ -83,7 +94,7 @@ class Intake:
         # Several workers so that one slow download (up to --media-fetch-timeout-s) does not hold up every
         # other request's media; the tower itself stays serialized behind the encoder's TowerBatcher.
         self.pool = ThreadPoolExecutor(max_workers=MEDIA_WORKERS, thread_name_prefix="mm-encode")
-        self.done: queue.Queue[_RequestEncoded | _PartEncoded] = queue.Queue()  # for the loop thread
+        self.done: queue.Queue[_WorkerResult] = queue.Queue()  # for the loop thread
         self.requests: dict[str, tuple[m.GenerateReq, float]] = {}  # waiting for media, with arrival time
         self.encode_seconds_total = 0.0
         self.parts_malformed = 0
@@ -101,11 +112,7 @@ class Intake:
     # -- inputs from the API server ---------------------------------------------------------------
     def generate(self, req: m.GenerateReq) -> list:
         self.requests[req.request_id] = (req, time.perf_counter())
-        cfg = self.engine.cfg
-        encodes = to_encode(req.media) and (req.num_parts > 0 or self.encoder is not None)
-        if cfg.encode_prefill_overlap and encodes and req.sampling.prompt_logprobs is None:
-            # the text before the first item is prefilled while the media encode (or their parts travel)
-            self.engine.prefill_text_before_media(req.request_id, list(req.prompt_token_ids), req.cache_salt)
+        self._progress(req.request_id, [])  # its text before the first item, while the media encode / travel
         if req.num_parts == 0:
             if to_encode(req.media) and self.encoder is None:
                 self.requests.pop(req.request_id)
@@ -137,12 +144,12 @@ class Intake:
 
     # -- worker threads -----------------------------------------------------------------------------
     def _encode(
-        self, media: list[MediaInput], timings: EncodeTimings, what: str
+        self, media: list[MediaInput], timings: EncodeTimings, what: str, on_item=None
     ) -> list[ItemEmbedding] | Failure:
         if not media:  # text only: nothing to encode (and maybe no local encoder at all)
             return []
         try:
-            return self.encoder.encode_all(media, timings, self.engine.cfg.max_mm_pixels_per_prompt)
+            return self.encoder.encode_all(media, timings, self.engine.cfg.max_mm_pixels_per_prompt, on_item)
         except MediaError as e:
             return e.failure
         except Exception as e:  # a bug or a tower failure: the request fails loudly, the engine lives on
@@ -151,8 +158,10 @@ class Intake:
 
     def _encode_request(self, req: m.GenerateReq) -> None:
         timings = EncodeTimings()
-        result = self._encode(media_inputs(to_encode(req.media), req.cache_salt), timings, req.request_id)
-        self.done.put(_RequestEncoded(req.request_id, result, timings))
+        rid = req.request_id
+        on_item = (lambda items: self.done.put(_ItemsEncoded(rid, items))) if self._overlaps(req) else None
+        result = self._encode(media_inputs(to_encode(req.media), req.cache_salt), timings, rid, on_item)
+        self.done.put(_RequestEncoded(rid, result, timings))
 
     def _encode_part(self, req: m.GenerateReq, msg: m.LocalEncodeReq) -> None:
         media = media_inputs([to_encode(req.media)[i] for i in msg.item_indices], req.cache_salt)
@@ -183,6 +192,8 @@ class Intake:
                 break
             if isinstance(done, _PartEncoded):
                 out += self._outcomes(self.assembler.add(done.header, done.items))
+            elif isinstance(done, _ItemsEncoded):
+                self._progress(done.request_id, done.items)
             elif done.request_id in self.requests:
                 self.encode_seconds_total += done.timings.total_s
                 out += self._admit(done.request_id, done.result, done.timings, [IN_PROCESS])
@@ -212,9 +223,33 @@ class Intake:
         stats = [r.stats() for r in self.receivers]
         return int(sum(v for s in stats for k, v in s.items() if k.endswith("_held_bytes")))
 
-    def _outcomes(self, outcomes: list[Complete | Failed]) -> list:
+    def _overlaps(self, req: m.GenerateReq) -> bool:
+        """Whether the request's prompt is prefilled in stages while its media encode: it has media to
+        encode, and somebody to encode them (prompt logprobs need the whole prompt in one request)."""
+        encodes = to_encode(req.media) and (req.num_parts > 0 or self.encoder is not None)
+        return bool(
+            self.engine.cfg.encode_prefill_overlap and encodes and req.sampling.prompt_logprobs is None
+        )
+
+    def _progress(self, rid: str, encoded: list[ItemEmbedding]) -> None:
+        """The request's first `encoded` items (of those to encode) are here: prefill its prompt up to the
+        next item still missing (Engine.prefill_before_media)."""
+        entry = self.requests.get(rid)
+        if entry is None or not self._overlaps(entry[0]):
+            return
+        req = entry[0]
+        try:
+            items = merge_prefix(req.media, encoded)
+        except (ValueError, MediaError):  # a bad precomputed item: its admission will say so
+            return
+        self.engine.prefill_before_media(rid, list(req.prompt_token_ids), items, req.cache_salt)
+
+    def _outcomes(self, outcomes: list[Complete | Progress | Failed]) -> list:
         out = []
         for o in outcomes:
+            if isinstance(o, Progress):
+                self._progress(o.request_id, o.items)
+                continue
             if isinstance(o, Failed):
                 if self.requests.pop(o.request_id, None) is not None:
                     self.engine.drop_text_prefill(o.request_id)  # its text prefill, if one runs (overlap)

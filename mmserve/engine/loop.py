@@ -196,6 +196,8 @@ class EngineLoop:
             parts_replayed=intake.parts_rejected["replayed"],
             embedding_store=store.snapshot().as_dict() if store is not None else {},
             prefix_cache_tokens=sched.prefix_cache.total_tokens,
+            overlap_stages=e.overlap.stages,
+            overlap_tokens=e.overlap.tokens,
             **self.handoffs.stats(),
         )
 

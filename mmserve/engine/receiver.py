@@ -3,6 +3,8 @@
 The API server tells the engine a request will arrive in `num_parts` parts (`expect`); encoders push parts
 (`add`). Outcomes:
 - all parts present and consistent -> `Complete` with the items in prompt order;
+- a part that extends the run of items present from the first one, but not to the last -> `Progress` with
+  that run (the engine prefills the prompt up to the next missing item meanwhile);
 - an error part with a client status (< 500: bad media) -> `Failed` at once;
 - an error part with a server status (>= 500) is remembered but not fatal: the dispatcher retries that part
   elsewhere (or locally) or fails the request itself; the deadline is the backstop -> `Failed` 504.
@@ -34,6 +36,15 @@ class Complete:
 
 
 @dataclass
+class Progress:
+    """More of a request's first items are here (a prompt-order prefix of its items to encode), not yet all:
+    its prompt up to the next missing item can be prefilled meanwhile (encode-prefill overlap)."""
+
+    request_id: str
+    items: list[ItemEmbedding]
+
+
+@dataclass
 class Failed:
     request_id: str
     failure: Failure
@@ -58,6 +69,7 @@ class _Pending:
     encoders: dict[int, str] = field(default_factory=dict)
     cache_hits: int = 0
     server_errors: dict[int, str] = field(default_factory=dict)
+    ready: int = 0  # items 0..ready-1 are here (what the last Progress reported)
 
 
 class PartAssembler:
@@ -80,7 +92,7 @@ class PartAssembler:
 
     def expect(
         self, request_id: str, modalities: list[str], num_parts: int, timeout_s: float
-    ) -> list[Complete | Failed]:
+    ) -> list[Complete | Progress | Failed]:
         """Start waiting for a request's parts; returns outcomes if early parts already complete it."""
         self._pending[request_id] = _Pending(modalities, num_parts, self.clock() + timeout_s)
         outcomes = []
@@ -94,7 +106,7 @@ class PartAssembler:
         if self._pending.pop(request_id, None) is not None:
             self._mark_finished(request_id)
 
-    def add(self, header: PartHeader, items: list[EmbeddingItem]) -> list[Complete | Failed]:
+    def add(self, header: PartHeader, items: list[EmbeddingItem]) -> list[Complete | Progress | Failed]:
         self.stats.parts += 1
         rid = header.request_id
         pending = self._pending.get(rid)
@@ -128,7 +140,7 @@ class PartAssembler:
         pending.encoders[header.part_index] = header.encoder
         pending.cache_hits += header.cache_hits
         if len(pending.parts) < pending.num_parts:
-            return []
+            return self._progress(rid, pending)
         got = sorted((it for part in pending.parts.values() for it in part), key=lambda it: it.item_index)
         if [it.item_index for it in got] != list(range(len(pending.modalities))):
             failure = Failure(502, "incomplete_parts", "encoders returned parts that do not cover every item")
@@ -148,6 +160,16 @@ class PartAssembler:
                 transfer_s,
             )
         ]
+
+    def _progress(self, rid: str, pending: _Pending) -> list[Progress]:
+        by_index = {it.item_index: it.item for part in pending.parts.values() for it in part}
+        ready = pending.ready
+        while ready in by_index:
+            ready += 1
+        if ready == pending.ready:
+            return []
+        pending.ready = ready
+        return [Progress(rid, [by_index[i] for i in range(ready)])]
 
     def expire(self) -> list[Failed]:
         """Fail requests past their deadline and drop early parts past their TTL."""

@@ -287,13 +287,22 @@ def to_encode(media: list[MediaItemMsg]) -> list[MediaItemMsg]:
 def merge(media: list[MediaItemMsg], encoded: list[ItemEmbedding]) -> list[ItemEmbedding]:
     """Every item of a request in prompt order: `encoded` (for `to_encode(media)`, in order) with the
     precomputed ones in their places. Raises ValueError when the counts differ."""
+    out = merge_prefix(media, encoded)
+    if len(out) < len(media):
+        raise ValueError("fewer encoded items than items to encode")
+    if len(encoded) > len(to_encode(media)):
+        raise ValueError("more encoded items than items to encode")
+    return out
+
+
+def merge_prefix(media: list[MediaItemMsg], encoded: list[ItemEmbedding]) -> list[ItemEmbedding]:
+    """A request's first items in prompt order, up to its first item still to encode: `encoded` (the first
+    items of `to_encode(media)`) with the precomputed ones in their places."""
     rest = iter(encoded)
     out = []
     for it in media:
         item = from_msg(Modality(it.modality), it.embedding) if it.embedding is not None else next(rest, None)
         if item is None:
-            raise ValueError("fewer encoded items than items to encode")
+            break
         out.append(item)
-    if next(rest, None) is not None:
-        raise ValueError("more encoded items than items to encode")
     return out

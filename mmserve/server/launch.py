@@ -172,6 +172,10 @@ async def serve_async(server_cfg: ServerConfig, engine_cfg: EngineConfig) -> int
     config = uvicorn.Config(app, host=server_cfg.host, port=server_cfg.port, log_level=server_cfg.log_level,
                             timeout_graceful_shutdown=5)  # fmt: skip
     server = _Server(config, client)
+    if client.dead:  # it died after it was ready, before there was a server for on_engine_death to stop
+        workers.stop()
+        await client.shutdown()
+        return 1
     # uvicorn re-raises the signal that stopped it once it has shut down, through the handler that was installed
     # before it ran. A requested shutdown is a clean exit (status 0): make that earlier handler a no-op.
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -52,6 +52,14 @@ ENGINE_TOTALS: dict[str, tuple[str, str]] = {
     "mm_cache_hits": ("mm_cache_hits", "Multi-modal cache hits (the engine's encoder), in items."),
     "num_preemptions": ("num_preemptions", "Preemptions: running requests retracted to free KV."),
     "encode_seconds_total": ("encode_seconds", "Seconds the engine spent fetching and encoding media."),
+    "overlap_stages": (
+        "encode_prefill_overlap_stages",
+        "Prefill stages run while their request's media were encoded (encode-prefill overlap).",
+    ),
+    "overlap_tokens": (
+        "encode_prefill_overlap_tokens",
+        "Prompt tokens prefilled while their request's media were encoded.",
+    ),
     "parts_received": ("embedding_parts_received", "Embedding parts received from encoders."),
     "parts_dropped": (
         "embedding_parts_dropped",

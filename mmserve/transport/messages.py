@@ -199,6 +199,8 @@ class StatsMsg(msgspec.Struct, tag="stats"):
     kv_pending: int = 0  # handoffs in progress (their slots held)
     integrity_error: str | None = None  # set when a PingReq asked for a check and it failed ("" = passed)
     prefix_cache_tokens: int = 0  # tokens the prefix cache holds (kv_cache_usage counts only requests' slots)
+    overlap_stages: int = 0  # encode-prefill overlap: prefill stages run while their request's media encoded
+    overlap_tokens: int = 0  # ... and the prompt tokens they computed
 
 
 FromEngine = ReadyMsg | AcceptedMsg | TokensMsg | HandedOffMsg | ErrorMsg | StatsMsg
