@@ -8,12 +8,13 @@ import os
 import subprocess
 import sys
 
+import httpx
 import pytest
 
 from mmserve.bench.client import LoadConfig
 from mmserve.bench.commands import _choose_seed
 from mmserve.bench.compare import format_breakdown, run_one
-from mmserve.bench.server_metrics import MetricsUnavailable, breakdown, scrape, scrape_text
+from mmserve.bench.server_metrics import MetricsUnavailable, breakdown, listed_encoders, scrape, scrape_text
 from mmserve.bench.workload import WorkloadConfig, build_workload
 from mmserve.transport.cluster_auth import ENV_VAR
 from tests.conftest import CLUSTER_SECRET
@@ -149,3 +150,12 @@ def test_bench_without_server_metrics(server):
     summary, server_side = run_one(cfg, requests, scrape=False)
     assert summary.ok == 2 and server_side == {"skipped": "--no-server-metrics"}
     assert "skipped (--no-server-metrics)" in format_breakdown(server_side)
+
+
+def test_encoders_note_only_for_a_server_that_uses_encoders(shared_server, capsys):
+    # The shared plain server is monolithic and has no anonymous registration: /encoders answers 403.
+    with httpx.Client(timeout=10) as http:
+        assert listed_encoders(http, shared_server.url, uses_encoders=False) == []
+        assert capsys.readouterr().err == ""  # nothing there to miss: no note
+        assert listed_encoders(http, shared_server.url, uses_encoders=True) == []
+    assert "encoders not scraped: /encoders said 403" in capsys.readouterr().err

@@ -32,14 +32,15 @@ def scrape_text(text: str) -> dict[str, float]:
     return values
 
 
-def listed_encoders(http: httpx.Client, url: str) -> list[dict]:
+def listed_encoders(http: httpx.Client, url: str, uses_encoders: bool = True) -> list[dict]:
     """The server's encoders from `/encoders`, part of its control plane: that needs the cluster token (taken
     from $MMSERVE_CLUSTER_SECRET, which a server launched by the bench inherits too) or a server started with
-    --enable-anonymous-registration. Refused: none, and a note on stderr says why."""
+    --enable-anonymous-registration. Refused: none, and a note on stderr says why when the server
+    `uses_encoders` (a monolithic one has nothing there to miss)."""
     secret = cluster_auth.resolve_secret(None)
     try:
         r = http.get(url + "/encoders", headers=secret.headers if secret else None)
-        if r.status_code in (401, 403):
+        if r.status_code in (401, 403) and uses_encoders:
             hint = f"set {cluster_auth.ENV_VAR} or launch with --enable-anonymous-registration"
             print(f"bench: encoders not scraped: /encoders said {r.status_code} ({hint})", file=sys.stderr)
         return r.json().get("encoders", []) if r.status_code == 200 else []
@@ -69,7 +70,8 @@ def scrape(url: str, timeout_s: float = 10.0) -> dict[str, dict[str, float]]:
         if not any(name.startswith("mmserve:") for name in server):
             raise MetricsUnavailable(f"GET {url}/metrics has no mmserve metrics")
         encoders: dict[str, float] = {}
-        for enc in listed_encoders(http, url):
+        uses_encoders = server.get("mmserve:embedding_parts_received_total", 0.0) > 0
+        for enc in listed_encoders(http, url, uses_encoders):
             try:
                 for name, value in scrape_text(http.get(enc["url"] + "/metrics").text).items():
                     encoders[name] = encoders.get(name, 0.0) + value
