@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from PIL import Image
 
-from mmserve.bench.step_profile import StepCost, breakdown, gemm_floor_s, timed_steps
+from mmserve.bench.step_profile import GemmFloor, StepCost, breakdown, steps_beside_floor
 from mmserve.engine.kv_pool import KVPool
 from mmserve.engine.sampling_params import SamplingParams
 from mmserve.models.loader import load_model_config, parse_dtype
@@ -120,13 +120,15 @@ def decode_rate(llm, images: list[Image.Image], output_tokens: int) -> tuple[flo
     while any(r.is_prefill for r in engine.scheduler.running) or engine.scheduler.waiting:
         engine.step()
     profiled = min(3, max(0, output_tokens - 4))  # the last steps; every request is still decoding
-    times = timed_steps(engine, output_tokens - 1 - profiled)  # the first output came with the prefill
+    # The first output came with the prefill.
+    times, floors = steps_beside_floor(
+        engine, output_tokens - 1 - profiled, GemmFloor(engine.runner, len(images))
+    )
     step_s = statistics.median(times)
     parts = breakdown(engine, profiled, step_s) if profiled else {}
     while engine.has_work:
         engine.step()
-    floor = gemm_floor_s(llm.engine.runner, len(images))
-    cost = StepCost(len(images), step_s * 1e3, floor * 1e3, parts)
+    cost = StepCost(len(images), step_s * 1e3, statistics.median(floors) * 1e3, parts)
     return len(images) / step_s, cost
 
 

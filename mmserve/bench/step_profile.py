@@ -12,7 +12,6 @@ and other (norms, RoPE, activations, Python), scaled to the unprofiled step time
 
 from __future__ import annotations
 
-import statistics
 import time
 from dataclasses import dataclass
 
@@ -52,21 +51,25 @@ def linear_layers(runner) -> list[torch.nn.Module]:
     return [m for m in runner.language_model.modules() if isinstance(m, kinds)] + [runner.lm_head]
 
 
-@torch.no_grad()
-def gemm_floor_s(runner, rows: int, repeats: int = 5) -> float:
-    """Median seconds for `rows` rows through every linear layer of the language model, in order."""
-    layers = linear_layers(runner)
-    inputs = {
-        n: torch.randn(rows, n, dtype=runner.dtype, device=runner.device)
-        for n in {m.in_features for m in layers}
-    }
-    times = []
-    for _ in range(repeats + 1):  # the first warms the kernels' caches
+class GemmFloor:
+    """The language model's linear layers applied to `rows` rows, in order, on fixed inputs: one pass is the
+    floor of a decode step of as many rows."""
+
+    def __init__(self, runner, rows: int) -> None:
+        self.layers = linear_layers(runner)
+        self.inputs = {
+            n: torch.randn(rows, n, dtype=runner.dtype, device=runner.device)
+            for n in {m.in_features for m in self.layers}
+        }
+        self()  # warms the kernels' caches
+
+    @torch.no_grad()
+    def __call__(self) -> float:
+        """Seconds of one pass."""
         start = time.perf_counter()
-        for m in layers:
-            m(inputs[m.in_features])
-        times.append(time.perf_counter() - start)
-    return statistics.median(times[1:])
+        for m in self.layers:
+            m(self.inputs[m.in_features])
+        return time.perf_counter() - start
 
 
 def timed_steps(engine, steps: int) -> list[float]:
@@ -78,6 +81,20 @@ def timed_steps(engine, steps: int) -> list[float]:
         engine.step()
         times.append(time.perf_counter() - start)
     return times
+
+
+def steps_beside_floor(engine, steps: int, floor: GemmFloor) -> tuple[list[float], list[float]]:
+    """Seconds of up to `steps` engine steps and of as many floor passes, one after the other, alternately.
+    This machine's memory bandwidth drifts from one minute to the next (the one-row floor has read 84 to 163
+    ms on one day), so each step is compared with a floor measured beside it, not minutes apart."""
+    step_times, floor_times = [], []
+    for _ in range(steps):
+        times = timed_steps(engine, 1)
+        if not times:
+            break
+        step_times += times
+        floor_times.append(floor())
+    return step_times, floor_times
 
 
 def breakdown(engine, steps: int, step_s: float) -> dict[str, float]:
