@@ -139,6 +139,12 @@ async def serve_async(server_cfg: ServerConfig, engine_cfg: EngineConfig) -> int
         workers.stop()
         await client.shutdown()
         return failed
+    # Until uvicorn takes the signals over, a stop request is remembered and honoured before it serves. uvicorn
+    # re-raises the signal that stopped it through this handler once it has shut down: a requested shutdown
+    # is a clean exit (status 0), so the handler only records it.
+    stop_requested: list[int] = []
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda signum, _frame: stop_requested.append(signum))
     dispatcher = build_dispatcher(server_cfg, engine_cfg, client, ready, workers.urls)
     for url in (*server_cfg.encoder_urls, *workers.urls):
         dispatcher.registry.add_static(url)
@@ -172,14 +178,12 @@ async def serve_async(server_cfg: ServerConfig, engine_cfg: EngineConfig) -> int
     config = uvicorn.Config(app, host=server_cfg.host, port=server_cfg.port, log_level=server_cfg.log_level,
                             timeout_graceful_shutdown=5)  # fmt: skip
     server = _Server(config, client)
-    if client.dead:  # it died after it was ready, before there was a server for on_engine_death to stop
+    # The engine died after it was ready, before there was a server for on_engine_death to stop; or a stop was
+    # asked for meanwhile.
+    if client.dead or stop_requested:
         workers.stop()
         await client.shutdown()
-        return 1
-    # uvicorn re-raises the signal that stopped it once it has shut down, through the handler that was installed
-    # before it ran. A requested shutdown is a clean exit (status 0): make that earlier handler a no-op.
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: None)
+        return 1 if client.dead else 0
     try:
         await server.serve()
     finally:
