@@ -300,7 +300,12 @@ def add_bench_parser(sub) -> None:
     p.add_argument(
         "--num-requests", type=int, default=16, help="requests per engine run (at least its concurrency)"
     )
-    p.add_argument("--hf-requests", type=int, default=4, help="requests per hf baseline run")
+    p.add_argument(
+        "--hf-requests",
+        type=int,
+        default=4,
+        help="requests of the hf baseline per round, half before the engine runs and half after",
+    )
     p.add_argument("--output-tokens", type=int, default=32)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--image-size", default="224x224", help="WxH")

@@ -155,9 +155,13 @@ def run(
     )
     results: dict[str, list[RunResult]] = {}
     seed = 0
+    # HF's requests bracket the engine's in each round, half before and half after: this machine's memory
+    # bandwidth drifts over minutes, and a baseline measured only before the engine runs could be off by 30%.
+    hf_before = (hf_requests + 1) // 2
+    hf_runs = [("hf", hf_before)] + ([("hf", hf_requests - hf_before)] if hf_requests > hf_before else [])
     for r in range(rounds):
-        for name in ["hf"] + [f"engine c={c}" for c in concurrencies]:
-            count = hf_requests if name == "hf" else max(num_requests, int(name.split("=")[1]))
+        engine_runs = [(f"engine c={c}", max(num_requests, c)) for c in concurrencies]
+        for name, count in [hf_runs[0], *engine_runs, *hf_runs[1:]]:
             images = [make_image(seed + i, image_size) for i in range(count)]
             seed += count
             if name == "hf":
