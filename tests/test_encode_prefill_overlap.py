@@ -44,7 +44,7 @@ def test_text_prefilled_during_the_encode_is_reused_exactly(tiny_qwen2_vl, oracl
     case = image_case([95, 96], "What changed?", system=SYSTEM)
     ids, items = prompt_and_items(llm, case)
     engine = llm.engine
-    assert engine.prefill_before_media("r", ids)
+    assert engine.overlap.prefill_before("r", ids)
     for _ in range(text_steps):  # the encode takes this long
         assert engine.step() == []  # a text prefill samples nothing
     req = engine.add_request("r", ids, greedy(), items)
@@ -74,11 +74,11 @@ def test_items_arriving_in_order_are_prefilled_in_stages(tiny_qwen2_vl, oracle, 
     case = image_case([101, 102, 103], "Which one is odd?", system=SYSTEM)
     ids, items = prompt_and_items(llm, case)
     engine = llm.engine
-    assert engine.prefill_before_media("r", ids)  # its text, while the first image encodes
+    assert engine.overlap.prefill_before("r", ids)  # its text, while the first image encodes
     for _ in range(text_steps):
         assert engine.step() == []
-    assert engine.prefill_before_media("r", ids, items[:1])  # the first image is here
-    assert engine.prefill_before_media(
+    assert engine.overlap.prefill_before("r", ids, items[:1])  # the first image is here
+    assert engine.overlap.prefill_before(
         "r", ids, items[:2]
     )  # and the second (it replaces a stage still waiting)
     assert "r" in engine.overlap.waiting  # one stage at a time: this one follows the running one
@@ -111,7 +111,7 @@ def test_a_request_with_several_choices_reuses_its_stage_and_leaves_nothing_behi
     case = image_case([104], "Name it.", system=SYSTEM)
     ids, items = prompt_and_items(llm, case)
     engine = llm.engine
-    assert engine.prefill_before_media("g", ids)
+    assert engine.overlap.prefill_before("g", ids)
     engine.step()  # the text stage is under way when the request is added
     params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, n=2)
     first = engine.add_request("g", ids, params, items)
@@ -134,20 +134,20 @@ def test_no_text_prefill_for_cached_or_short_text_and_abort_ends_it(tiny_qwen2_v
     engine = llm.engine
     ids, _ = prompt_and_items(llm, image_case([97], "Hi", system=SYSTEM + " Again."))
     image_id = engine.family.placeholders[next(iter(engine.family.placeholders))]
-    assert not engine.prefill_before_media("short", ids[:5] + [image_id] + ids[-5:])  # 5 tokens of text
-    assert engine.prefill_before_media("a", ids)
+    assert not engine.overlap.prefill_before("short", ids[:5] + [image_id] + ids[-5:])  # 5 tokens of text
+    assert engine.overlap.prefill_before("a", ids)
     engine.abort("a")  # the request went away while its media encoded: its text prefill goes too
     assert not engine.has_work and text_prefill_id("a") not in engine.requests
-    assert engine.prefill_before_media("b", ids)
+    assert engine.overlap.prefill_before("b", ids)
     run(llm, "b")
-    assert not engine.prefill_before_media("c", ids)  # cached already: nothing to overlap
+    assert not engine.overlap.prefill_before("c", ids)  # cached already: nothing to overlap
     assert_idle_and_clean(llm)
 
 
 def test_disabled_prefix_cache_means_no_overlap(tiny_qwen2_vl):
     llm = make_llm(tiny_qwen2_vl, enable_prefix_caching=False)
     ids, _ = prompt_and_items(llm, image_case([98], "Hi", system=SYSTEM))
-    assert not llm.engine.prefill_before_media("r", ids)
+    assert not llm.engine.overlap.prefill_before("r", ids)
 
 
 def chat(url: str, case) -> dict:
@@ -191,7 +191,7 @@ def test_a_failed_text_prefill_releases_its_request(tiny_qwen2_vl, oracle):
     case = image_case([99], "What is it?", system=SYSTEM)
     ids, items = prompt_and_items(llm, case)
     engine = llm.engine
-    assert engine.prefill_before_media("r", ids)
+    assert engine.overlap.prefill_before("r", ids)
     engine.step()
     req = engine.add_request("r", ids, greedy(), items)  # held behind its text prefill...
     engine.abort(text_prefill_id("r"), "error")  # ...which fails (as in a failed batch)

@@ -13,7 +13,6 @@ import concurrent.futures
 import contextlib
 import logging
 import os
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -217,22 +216,6 @@ class Engine:
             self.held[request_id] = choices[1:]
         return choices[0]
 
-    def prefill_before_media(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        items: Sequence[ItemEmbedding] = (),
-        cache_salt: str | None = None,
-    ) -> bool:
-        """Encode-prefill overlap (mmserve.engine.overlap): while a request's media are encoded, prefill its
-        prompt up to its first item not in `items` (those ready, in prompt order) into the prefix cache; called
-        again as more items arrive. Returns whether a stage was started or is waiting."""
-        return self.overlap.prefill_before(request_id, prompt_token_ids, items, cache_salt)
-
-    def drop_text_prefill(self, request_id: str, reason: str = "abort") -> None:
-        """The request will not be added (it failed before admission, or was aborted): end its overlap stages."""
-        self.overlap.drop(request_id, reason)
-
     def _check_vocab(self, params: SamplingParams) -> None:
         vocab = self.model_config.vocab_size
         for name, ids in (("logit_bias", params.logit_bias), ("stop_token_ids", params.stop_token_ids)):
@@ -273,7 +256,7 @@ class Engine:
                 self.overlap.aborted(request_id)
                 self._release_held(text)  # it computes the rest itself
             return
-        self.drop_text_prefill(request_id, reason)
+        self.overlap.drop(request_id, reason)
         group = self.groups.pop(request_id, None)
         self.held.pop(request_id, None)
         for req in group or [self.requests.get(request_id)]:

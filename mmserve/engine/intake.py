@@ -135,7 +135,7 @@ class Intake:
         self.assembler.cancel(msg.request_id)
         if self.requests.pop(msg.request_id, None) is None:
             return []
-        self.engine.drop_text_prefill(msg.request_id)  # its text prefill, if one runs (overlap)
+        self.engine.overlap.drop(msg.request_id)  # its overlap stages, if any
         return [m.ErrorMsg(msg.request_id, msg.failure)]
 
     def abort(self, request_id: str) -> None:
@@ -233,7 +233,7 @@ class Intake:
 
     def _progress(self, rid: str, encoded: list[ItemEmbedding]) -> None:
         """The request's first `encoded` items (of those to encode) are here: prefill its prompt up to the
-        next item still missing (Engine.prefill_before_media)."""
+        next item still missing (mmserve.engine.overlap)."""
         entry = self.requests.get(rid)
         if entry is None or not self._overlaps(entry[0]):
             return
@@ -242,7 +242,7 @@ class Intake:
             items = merge_prefix(req.media, encoded)
         except (ValueError, MediaError):  # a bad precomputed item: its admission will say so
             return
-        self.engine.prefill_before_media(rid, list(req.prompt_token_ids), items, req.cache_salt)
+        self.engine.overlap.prefill_before(rid, list(req.prompt_token_ids), items, req.cache_salt)
 
     def _outcomes(self, outcomes: list[Complete | Progress | Failed]) -> list:
         out = []
@@ -252,7 +252,7 @@ class Intake:
                 continue
             if isinstance(o, Failed):
                 if self.requests.pop(o.request_id, None) is not None:
-                    self.engine.drop_text_prefill(o.request_id)  # its text prefill, if one runs (overlap)
+                    self.engine.overlap.drop(o.request_id)  # its overlap stages, if any
                     out.append(m.ErrorMsg(o.request_id, o.failure))
                 continue
             encoders = sorted(set(o.encoders))
@@ -276,7 +276,7 @@ class Intake:
             return []
         req, arrived = entry
         if isinstance(result, Failure):
-            self.engine.drop_text_prefill(rid)  # its text prefill, if one runs (overlap)
+            self.engine.overlap.drop(rid)  # its overlap stages, if any
             return [m.ErrorMsg(rid, result)]
         try:
             items = merge(req.media, result)  # the client's precomputed embeddings back in prompt order
@@ -289,16 +289,16 @@ class Intake:
                 handoff=req.handoff,
             )
         except EmbeddingMismatch as e:  # an encoder serving another model: this request only
-            self.engine.drop_text_prefill(rid)  # its text prefill, if one runs (overlap); likewise below
+            self.engine.overlap.drop(rid)  # its overlap stages, if any; likewise below
             sources = ", ".join(encoded_by)
             logger.warning("request %s: embedding from %s rejected: %s", rid, sources, e)
             message = f"{sources} sent an embedding that does not fit this model: {e}"
             return [m.ErrorMsg(rid, Failure(502, "bad_embedding", message))]
         except MediaError as e:  # per-request media limits
-            self.engine.drop_text_prefill(rid)
+            self.engine.overlap.drop(rid)
             return [m.ErrorMsg(rid, e.failure)]
         except ValueError as e:
-            self.engine.drop_text_prefill(rid)
+            self.engine.overlap.drop(rid)
             return [m.ErrorMsg(rid, Failure(400, "invalid_request", str(e)))]
         engine_req.encode_timings = timings
         waited = time.perf_counter() - arrived
