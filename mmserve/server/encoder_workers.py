@@ -17,9 +17,8 @@ from mmserve.config import EngineConfig
 from mmserve.server.parent_watch import child_of_this_process
 from mmserve.transport.cluster_auth import child_env
 
-UNHEALTHY_STRIKES = (
-    3  # failed health checks in a row that end the start-up (a refused connection is no strike)
-)
+# Failed health checks in a row that end the start-up (a refused connection, not listening yet, is no strike).
+UNHEALTHY_STRIKES = 3
 
 
 def free_port() -> int:

@@ -60,10 +60,6 @@ class EngineClient:
         self._closed = False
 
     # -- lifecycle ----------------------------------------------------------------------------------
-    async def start(self, timeout_s: float = 600.0) -> m.ReadyMsg:
-        self.spawn()
-        return await self.wait_ready(timeout_s)
-
     def spawn(self) -> None:
         """Start the engine process (returns at once; `wait_ready` waits for its ReadyMsg)."""
         cmd = [sys.executable, "-m", "mmserve.engine.loop", "--config", engine_config_to_json(self.cfg),
