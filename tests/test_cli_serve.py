@@ -19,6 +19,8 @@ import pytest
 from mmserve.cli import build_parser, engine_config_from_args, main, server_config_from_args
 from mmserve.models import loader, resolve
 from mmserve.server.encoder_workers import free_port
+from mmserve.testing.probes import child_pids
+from mmserve.testing.server_process import still_running
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -175,9 +177,7 @@ def test_ctrl_c_during_a_stream_ends_cleanly(tiny_qwen2_vl, tmp_path):
         while not _healthy(url):
             assert server.poll() is None and time.monotonic() < deadline, log_path.read_text()
             time.sleep(0.2)
-        children = subprocess.run(
-            ["pgrep", "-P", str(server.pid)], capture_output=True, text=True
-        ).stdout.split()
+        children = child_pids(server.pid)
         assert children  # the engine process
         body = {
             "messages": [{"role": "user", "content": "count"}],
@@ -199,12 +199,7 @@ def test_ctrl_c_during_a_stream_ends_cleanly(tiny_qwen2_vl, tmp_path):
         # Ended by the shutdown, not by running out of tokens (no wall-clock bound: CI machines stall).
         assert len(events) < 3000, (len(events), ended_after)
         assert server.wait(timeout=60) == 0  # the engine stopped in order (ShutdownReq), a clean exit
-        for pid in children:
-            for _ in range(50):  # the server stopped its children before exiting: at most a moment's lag
-                if _gone(pid):
-                    break
-                time.sleep(0.1)
-            assert _gone(pid), f"child {pid} outlived the server"
+        assert not still_running(children), "a child outlived the server"  # at most a moment's lag
         text = log_path.read_text()
         assert "Traceback" not in text, text
         assert f"model {tiny_qwen2_vl}: dtype float32, device cpu, max model len 4096" in text
@@ -219,11 +214,3 @@ def _healthy(url: str) -> bool:
         return httpx.get(url + "/health", timeout=2).status_code == 200
     except httpx.HTTPError:
         return False
-
-
-def _gone(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split()[2] == "Z"
-    except FileNotFoundError:
-        return True

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import httpx
 
 from mmserve.server.encoder_workers import free_port
+from mmserve.testing.probes import child_pids
 
 
 @dataclass
@@ -30,8 +31,7 @@ class ServerHandle:
             return f.read()
 
     def child_pids(self) -> list[int]:
-        out = subprocess.run(["pgrep", "-P", str(self.proc.pid)], capture_output=True, text=True)
-        return [int(p) for p in out.stdout.split()]
+        return child_pids(self.proc.pid)
 
     def stop(self, timeout_s: float = 30.0) -> int:
         children = self.child_pids()
@@ -42,23 +42,27 @@ class ServerHandle:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             raise AssertionError("server did not stop within the timeout after SIGTERM") from None
-        for pid in children:  # no orphans: the engine process is gone too
-            for _ in range(50):
-                if not os.path.exists(f"/proc/{pid}") or _is_zombie(pid):
-                    break
-                time.sleep(0.1)
-            else:
-                os.kill(pid, signal.SIGKILL)
-                raise AssertionError(f"child process {pid} outlived the server")
+        for pid in still_running(children):  # no orphans: the engine process is gone too
+            os.kill(pid, signal.SIGKILL)
+            raise AssertionError(f"child process {pid} outlived the server")
         return code
 
 
-def _is_zombie(pid: int) -> bool:
+def gone(pid: int) -> bool:
+    """The process has exited (reaped, or a zombie its parent has not waited for)."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             return f.read().split()[2] == "Z"
     except FileNotFoundError:
         return True
+
+
+def still_running(pids: list[int], wait_s: float = 5.0) -> list[int]:
+    """Those of `pids` still running after up to `wait_s` (a stopped server's children get a moment's lag)."""
+    deadline = time.monotonic() + wait_s
+    while (alive := [pid for pid in pids if not gone(pid)]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return alive
 
 
 def start_server(model_dir: str, *args: str, log_dir: str, timeout_s: float = 180.0,
