@@ -29,6 +29,20 @@ def prompt_and_items(llm, case):
     return llm.tokenizer(text, add_special_tokens=False)["input_ids"], llm.encode(media)[0]
 
 
+def record_chunk_starts(engine, req) -> list[int]:
+    """From now on, the start of every chunk the scheduler gives `req` is appended to the returned list."""
+    starts = []
+    schedule = engine.scheduler.schedule
+
+    def recording():
+        chunks = schedule()
+        starts.extend(c.start for c in chunks if c.request is req)
+        return chunks
+
+    engine.scheduler.schedule = recording
+    return starts
+
+
 def run(llm, request_id: str) -> list[int]:
     out = []
     for _ in range(200):  # bounded: a few prefill chunks and MAX_NEW decode steps
@@ -51,15 +65,7 @@ def test_text_prefilled_during_the_encode_is_reused_exactly(tiny_qwen2_vl, oracl
     text_len = ids.index(engine.family.placeholders[next(iter(engine.family.placeholders))])  # the image's
     if text_steps < 100:
         assert req not in engine.scheduler.waiting  # held until the text is in the prefix cache
-    starts = []
-    schedule = engine.scheduler.schedule
-
-    def recording():
-        chunks = schedule()
-        starts.extend(c.start for c in chunks if c.request is req)
-        return chunks
-
-    engine.scheduler.schedule = recording
+    starts = record_chunk_starts(engine, req)
     assert run(llm, "r") == oracle(case).token_ids
     assert min(starts) >= text_len - 1  # the request computed none of the text again
     # ... and does not report its own text prefill as reuse of other requests' work (usage.cached_tokens)
@@ -88,15 +94,7 @@ def test_items_arriving_in_order_are_prefilled_in_stages(tiny_qwen2_vl, oracle, 
         assert engine.step() == []
     req = engine.add_request("r", ids, greedy(), items)  # the third image: the request itself
     third = req.items[2].offset  # where the last image starts in the expanded prompt
-    starts = []
-    schedule = engine.scheduler.schedule
-
-    def recording():
-        chunks = schedule()
-        starts.extend(c.start for c in chunks if c.request is req)
-        return chunks
-
-    engine.scheduler.schedule = recording
+    starts = record_chunk_starts(engine, req)
     assert run(llm, "r") == oracle(case).token_ids
     assert min(starts) >= third - 1  # the stages computed everything before the last image, once
     assert req.own_prefill_tokens == third and req.num_cached_tokens == 0
