@@ -9,6 +9,7 @@ import time
 
 import httpx
 
+from mmserve.testing.probes import metric
 from mmserve.testing.server_process import start_server
 
 
@@ -28,7 +29,12 @@ def test_engine_death_fails_in_flight_requests_and_exits_nonzero(tiny_qwen2_vl, 
         with concurrent.futures.ThreadPoolExecutor(3) as pool:
             futures = [pool.submit(httpx.post, url, json=body, timeout=60) for _ in range(2)]
             streamed = pool.submit(stream)
-            time.sleep(1.0)  # the requests are decoding
+            deadline = (
+                time.monotonic() + 60
+            )  # the three requests are decoding (a fixed sleep is not enough on
+            while metric(server.url, "num_requests_running") < 3:  # a slow machine: the stream came too late)
+                assert time.monotonic() < deadline, "the requests never all ran"
+                time.sleep(0.1)
             start = time.monotonic()
             os.kill(engine_pid, signal.SIGKILL)
             responses = [f.result(timeout=30) for f in futures]
