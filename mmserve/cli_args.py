@@ -86,6 +86,7 @@ def engine_config_from_args(args: argparse.Namespace):
         disable_prefix_cache=args.disable_prefix_cache,
         encode_prefill_overlap=not args.disable_encode_prefill_overlap,
         pack_weights=not args.disable_weight_packing,
+        fuse_layers=not args.disable_layer_fusion,
         embedding_cache_mb=args.embedding_cache_mb,
         mm_processor_kwargs=tuple(_json_arg(args.mm_processor_kwargs, "--mm-processor-kwargs").items()),
         media=media_config_from_args(args),
@@ -249,6 +250,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="keep linear weights in PyTorch's layout (default on a CPU in bf16/fp16: packed once into "
         "oneDNN's, which gives the same outputs faster)",
+    )
+    p.add_argument(
+        "--disable-layer-fusion",
+        action="store_true",
+        help="run the language model's decoder layers through transformers' own code (default for Qwen2-shaped "
+        "layers: fused q/k/v and gate/up GEMMs, fewer ops; the same outputs, bitwise in fp32)",
     )
     p.add_argument("--embedding-cache-mb", type=float, default=512)
     p.add_argument(

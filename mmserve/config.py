@@ -142,6 +142,8 @@ class EngineConfig:
     encode_prefill_overlap: bool = True
     # bf16/fp16 on a CPU: linear weights packed once into oneDNN's layout (mmserve.engine.packed_linear)
     pack_weights: bool = True
+    # Qwen2-shaped decoder layers run as fused layers with fewer ops (mmserve.engine.fused_layers)
+    fuse_layers: bool = True
     embedding_cache_mb: float = 512.0
     mm_processor_kwargs: tuple[tuple[str, object], ...] = ()
     media: MediaConfig = MediaConfig()

@@ -69,6 +69,9 @@ class AttentionMetadata:
     seqs: list[SeqAttention]  # the queries of more than one row (prefill chunks), each attended on its own
     decode: DecodeGroup | None = None  # the one-row queries
     num_rows: int = 0  # total packed query rows
+    rotary: tuple[torch.Tensor, torch.Tensor] | None = (
+        None  # this step's RoPE rows (fused_layers.rotary_rows)
+    )
 
     def __post_init__(self) -> None:
         # One gather per layer for all prefill chunks is much cheaper than one per request; each request then
@@ -97,27 +100,41 @@ def _to(mask: torch.Tensor | None, device) -> torch.Tensor | None:
 
 
 def pool_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """transformers' attention interface: query (1, H, T, D), key/value (1, Hkv, T, D) with RoPE applied;
+    returns (1, T, H, D): HF expects that layout, and the other one is silently wrong."""
     meta: AttentionMetadata | None = kwargs.get("mm_attn")
     if meta is None:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
                                       **kwargs)  # fmt: skip
-    layer = module.layer_idx
+    rows = attend(
+        module.layer_idx,
+        query[0].transpose(0, 1),
+        key[0].transpose(0, 1),
+        value[0].transpose(0, 1),
+        meta,
+        scaling,
+    )
+    return rows.unsqueeze(0), None
+
+
+def attend(layer: int, query, key, value, meta: AttentionMetadata, scaling: float | None) -> torch.Tensor:
+    """One layer's attention over the pool, in rows: query (T, H, D), key/value (T, Hkv, D) with RoPE applied
+    (any strides); writes the new K/V into the pool and returns (T, H, D)."""
     k_cache, v_cache = meta.k_cache[layer], meta.v_cache[layer]
-    # query (1, H, T, D); key/value (1, Hkv, T, D) with RoPE applied -> pool rows (T, Hkv, D)
-    k_cache.index_copy_(0, meta.new_slots, key[0].transpose(0, 1).to(k_cache.dtype))
-    v_cache.index_copy_(0, meta.new_slots, value[0].transpose(0, 1).to(v_cache.dtype))
+    k_cache.index_copy_(0, meta.new_slots, key.to(k_cache.dtype))
+    v_cache.index_copy_(0, meta.new_slots, value.to(v_cache.dtype))
     decoded = _decode_attention(query, k_cache, v_cache, meta.decode, scaling) if meta.decode else None
-    if not meta.seqs:  # a pure decode step, rows 0..B-1 in order: (B, H, 1, D) -> (1, B, H, D)
-        return decoded.transpose(1, 2).reshape(1, meta.num_rows, decoded.shape[1], decoded.shape[3]), None
-    out = query.new_empty(1, meta.num_rows, query.shape[1], query.shape[3])
+    if not meta.seqs:  # a pure decode step, rows 0..B-1 in order: (B, H, 1, D) -> (B, H, D)
+        return decoded.view(meta.num_rows, decoded.shape[1], decoded.shape[3])
+    out = query.new_empty(meta.num_rows, query.shape[1], query.shape[2])
     if decoded is not None:
-        out[0, meta.decode.rows] = decoded[:, :, 0]
+        out[meta.decode.rows] = decoded[:, :, 0]
     k_all = k_cache.index_select(0, meta.kv_slots).transpose(0, 1)  # (Hkv, sum kv, D)
     v_all = v_cache.index_select(0, meta.kv_slots).transpose(0, 1)
     for seq, offset in zip(meta.seqs, meta.kv_offsets, strict=True):
-        q = query[:, :, seq.q_start : seq.q_start + seq.q_len]
+        q = query[seq.q_start : seq.q_start + seq.q_len].transpose(0, 1).unsqueeze(0)  # (1, H, q, D)
         kv_len = seq.kv_slots.shape[0]
         k = k_all[:, offset : offset + kv_len].unsqueeze(0)  # (1, Hkv, kv, D)
         v = v_all[:, offset : offset + kv_len].unsqueeze(0)
@@ -131,21 +148,20 @@ def pool_attention(module, query, key, value, attention_mask, scaling=None, drop
             scale=scaling,
             enable_gqa=True,
         )
-        # (1, H, q, D) -> rows (q, H, D): HF expects (1, T, H, D); the other layout is silently wrong.
-        out[0, seq.q_start : seq.q_start + seq.q_len] = o[0].transpose(0, 1)
-    return out, None
+        out[seq.q_start : seq.q_start + seq.q_len] = o[0].transpose(0, 1)  # (1, H, q, D) -> rows (q, H, D)
+    return out
 
 
 def _decode_attention(query, k_cache, v_cache, group: DecodeGroup, scaling) -> torch.Tensor:
-    """(B, H, 1, D): each one-row query against its own slots, in one call.
+    """(B, H, 1, D): each one-row query (rows of query (T, H, D)) against its own slots, in one call.
 
     The G query heads that share a KV head go in as G query rows of that head (B, Hkv, G, D) rather than as
     G heads with `enable_gqa`: SDPA's CPU kernel then reads each KV head once instead of G times, 1.5-2.4x
     faster here (one row's result differs from the GQA call's in the last bit, as any re-blocking does)."""
     b, length = group.slots.shape
-    heads, dim = query.shape[1], query.shape[3]
+    heads, dim = query.shape[1], query.shape[2]
     kv_heads = k_cache.shape[1]
-    q = query[0, :, group.rows].transpose(0, 1)  # (B, H, D)
+    q = query[group.rows]  # (B, H, D)
     q = q.view(b, kv_heads, heads // kv_heads, dim)  # head h reads KV head h // G (repeat_interleave order)
     flat = group.slots.view(-1)
     k = k_cache.index_select(0, flat).view(b, length, *k_cache.shape[1:]).transpose(1, 2)  # (B, Hkv, L, D)

@@ -96,7 +96,9 @@ class Engine:
         hf_config = load_hf_config(cfg.model)
         self.family = family or load_family(cfg.model, hf_config, dict(cfg.mm_processor_kwargs))
         self.model_config = ModelConfig.from_hf(cfg.model, hf_config, cfg.max_model_len)
-        self.runner = ModelRunner(self.family, self.model_config, cfg.dtype, cfg.device, cfg.pack_weights)
+        self.runner = ModelRunner(
+            self.family, self.model_config, cfg.dtype, cfg.device, cfg.pack_weights, cfg.fuse_layers
+        )
         self.pool = build_kv_pool(cfg, self.model_config)
         # A decode server never prefills, so a prefix cache would only hold slots (mmserve.disagg).
         no_prefix = cfg.disable_prefix_cache or cfg.disaggregation_mode == "decode"

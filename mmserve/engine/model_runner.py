@@ -17,6 +17,7 @@ import torch
 
 from mmserve.config import ModelConfig
 from mmserve.engine.attention import AttentionMetadata, SeqAttention, register_attention
+from mmserve.engine.fused_layers import fuse_decoder_layers
 from mmserve.engine.kv_pool import KVPool
 from mmserve.engine.packed_linear import PackedLinear, can_pack, pack_linears
 from mmserve.engine.request import Request
@@ -56,6 +57,7 @@ class ModelRunner:
         dtype: str = "float32",
         device: str = "cpu",
         pack_weights: bool = True,
+        fuse_layers: bool = True,
     ) -> None:
         lm = family.load_language_model(parse_dtype(dtype), register_attention())
         self.family = family
@@ -65,6 +67,7 @@ class ModelRunner:
         self.language_model = lm.model.to(self.device)
         self.embed_tokens = self.language_model.get_input_embeddings()
         self.lm_head = lm.lm_head.to(self.device)
+        self.fused_layers = fuse_decoder_layers(self.language_model) if fuse_layers else 0
         self.packed = pack_weights and can_pack(self.dtype, self.device)
         if self.packed:  # bitwise the same outputs, without re-ordering every weight on every call
             pack_linears(self.language_model)

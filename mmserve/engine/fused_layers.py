@@ -1,0 +1,112 @@
+"""The Qwen2 decoder layer with fewer ops: what a decode step spends outside its GEMMs.
+
+A decode step on a CPU streams every weight once (the GEMM floor); the rest of it was HF's layer code: about
+75 small ops and ten module calls per layer, 5-20 us each, 24 layers deep. `FusedDecoderLayer` replaces each
+HF layer of the Qwen2 shape (Qwen2-VL, Qwen2.5-VL, and the Qwen2 language models of LLaVA-OneVision and
+Qwen2-Audio) in its model's `layers` list, so HF's text model still embeds, builds the rotary tables, and
+applies the final norm. The layer computes what HF's computes, op for op, except:
+- q, k and v are one GEMM, and gate and up another, over weights concatenated once at load;
+- RoPE runs once over the q and k heads together, with `rotate_half(x) * sin` written as
+  `roll(x) * sin'`, sin' being sin with its first half negated (built once per step): the same products;
+- activations stay in rows (T, heads, dim) and go to the pool attention (`attention.attend`) directly.
+In fp32 (MKL) the concatenated GEMMs are bitwise equal to the separate ones, so the layer's output is bitwise
+HF's; in bf16 oneDNN may block a concatenated q/k/v GEMM differently at some row counts (64, 300), a last-bit
+difference of the same kind as batching rows already gives. `tests/test_fused_layers.py` holds both.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from mmserve.engine.attention import AttentionMetadata, attend
+
+# HF decoder layers of exactly this shape: pre-norm RMSNorm, q/k/v with bias, no q/k norm, a SiLU-gated MLP.
+FUSABLE_LAYERS = ("Qwen2DecoderLayer", "Qwen2VLDecoderLayer", "Qwen2_5_VLDecoderLayer")
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF's Qwen2 RMSNorm, the same ops in the same order (in fp32, back to the input dtype, then the weight)."""
+    dtype = x.dtype
+    x = x.to(torch.float32)
+    variance = x.pow(2).mean(-1, keepdim=True)
+    x = x * torch.rsqrt(variance + eps)
+    return weight * x.to(dtype)
+
+
+def concat_linears(linears: list[torch.nn.Linear]) -> torch.nn.Linear:
+    """One Linear whose output is the given layers' outputs side by side."""
+    first = linears[0]
+    bias = first.bias is not None
+    out = torch.nn.Linear(
+        first.in_features, sum(m.out_features for m in linears), bias=bias, dtype=first.weight.dtype,
+        device=first.weight.device,
+    )  # fmt: skip
+    with torch.no_grad():
+        out.weight.copy_(torch.cat([m.weight for m in linears]))
+        if bias:
+            out.bias.copy_(torch.cat([m.bias for m in linears]))
+    return out
+
+
+class FusedDecoderLayer(torch.nn.Module):
+    """A drop-in for one HF Qwen2-shaped decoder layer when it runs over our pool (`mm_attn`)."""
+
+    def __init__(self, layer: torch.nn.Module) -> None:
+        super().__init__()
+        attn, mlp = layer.self_attn, layer.mlp
+        self.layer_idx = attn.layer_idx
+        self.head_dim = attn.head_dim
+        self.num_heads = attn.q_proj.out_features // attn.head_dim
+        self.num_kv_heads = attn.k_proj.out_features // attn.head_dim
+        self.scaling = attn.scaling
+        self.input_norm = layer.input_layernorm.weight
+        self.input_eps = layer.input_layernorm.variance_epsilon
+        self.post_norm = layer.post_attention_layernorm.weight
+        self.post_eps = layer.post_attention_layernorm.variance_epsilon
+        self.qkv_proj = concat_linears([attn.q_proj, attn.k_proj, attn.v_proj])
+        self.o_proj = attn.o_proj
+        self.gate_up_proj = concat_linears([mlp.gate_proj, mlp.up_proj])
+        self.down_proj = mlp.down_proj
+        self.intermediate = mlp.gate_proj.out_features
+
+    def forward(self, hidden_states: torch.Tensor, position_embeddings=None, **kwargs) -> torch.Tensor:
+        meta: AttentionMetadata = kwargs["mm_attn"]
+        x = hidden_states[0]  # (T, hidden)
+        t, heads, kv_heads, dim = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = self.qkv_proj(rms_norm(x, self.input_norm, self.input_eps))  # (T, (H + 2 Hkv) D)
+        qk = qkv[:, : (heads + kv_heads) * dim].view(t, heads + kv_heads, dim)
+        cos, sin = rotary_rows(meta, position_embeddings)
+        qk = qk * cos + qk.roll(dim // 2, -1) * sin  # (T, H + Hkv, D)
+        value = qkv[:, (heads + kv_heads) * dim :].view(t, kv_heads, dim)
+        out = attend(self.layer_idx, qk[:, :heads], qk[:, heads:], value, meta, self.scaling)  # (T, H, D)
+        x = x + self.o_proj(out.reshape(t, heads * dim))
+        gate_up = self.gate_up_proj(rms_norm(x, self.post_norm, self.post_eps))  # (T, 2 I)
+        x = x + self.down_proj(F.silu(gate_up[:, : self.intermediate]) * gate_up[:, self.intermediate :])
+        return x.unsqueeze(0)
+
+
+def rotary_rows(meta: AttentionMetadata, position_embeddings) -> tuple[torch.Tensor, torch.Tensor]:
+    """HF's (cos, sin), each (1, T, D), as (T, 1, D) rows with sin's first half negated: built by the first
+    layer of a step and kept on the step's metadata for the others."""
+    if meta.rotary is None:
+        cos, sin = position_embeddings
+        half = sin.shape[-1] // 2
+        signed = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+        meta.rotary = (cos[0].unsqueeze(1), signed[0].unsqueeze(1))
+    return meta.rotary
+
+
+def fuse_decoder_layers(text_model: torch.nn.Module) -> int:
+    """Replaces every HF decoder layer of the Qwen2 shape in `text_model.layers` with a FusedDecoderLayer, in
+    place (the separate q/k/v and gate/up weights are freed); returns how many. A model with any other layer,
+    or with sliding-window layers, is left as it is: the pool attention serves it through HF's code."""
+    layers = getattr(text_model, "layers", None)
+    types = getattr(text_model.config, "layer_types", None) or ["full_attention"]
+    if layers is None or any(t != "full_attention" for t in types):
+        return 0
+    if not all(type(layer).__name__ in FUSABLE_LAYERS for layer in layers):
+        return 0
+    for i, layer in enumerate(layers):
+        layers[i] = FusedDecoderLayer(layer)
+    return len(layers)
