@@ -150,6 +150,7 @@ def _engine(args: argparse.Namespace) -> int:
         parse_size(args.image_size),
         dtype,
         args.kv_cache_mb,
+        args.hf_layers,
     )
     print(engine_bench.report(results))
     print()
@@ -311,6 +312,11 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--image-size", default="224x224", help="WxH")
     p.add_argument("--dtype", default="auto", help="as `serve --dtype`; both sides use it")
     p.add_argument("--kv-cache-mb", type=float, default=1024)
+    p.add_argument(
+        "--hf-layers",
+        action="store_true",
+        help="also run each engine with transformers' layer code (--disable-layer-fusion), side by side",
+    )
     p.add_argument("--json", default=None, help="write every figure (both tables, per round) here")
     p.set_defaults(func=_engine)
 

@@ -89,11 +89,11 @@ def run_hf(ref: HFReference, images: list[Image.Image], output_tokens: int) -> R
     return result
 
 
-def run_engine(llm, images: list[Image.Image], output_tokens: int, concurrency: int) -> RunResult:
+def run_engine(llm, images: list[Image.Image], output_tokens: int, concurrency: int, name: str) -> RunResult:
     params = SamplingParams(temperature=0, max_tokens=output_tokens, ignore_eos=True)
     start = time.perf_counter()
     outputs = llm.chat([chat_messages(im) for im in images], params)
-    result = RunResult(f"engine c={concurrency}", time.perf_counter() - start, output_tokens * len(images))
+    result = RunResult(name, time.perf_counter() - start, output_tokens * len(images))
     assert all(len(o.token_ids) == output_tokens for o in outputs)
     result.decode_tokens_per_s, result.step = decode_rate(llm, images[:concurrency], output_tokens)
     if concurrency == 1:  # queue time is other requests' turn, not this one's latency
@@ -142,11 +142,22 @@ def run(
     image_size: tuple[int, int],
     dtype: str,
     kv_cache_mb: float,
+    hf_layers: bool = False,
 ) -> dict[str, list[RunResult]]:
+    """`hf_layers`: beside each engine, the same engine running transformers' layer code instead of its fused
+    layers (`--disable-layer-fusion`), in the same rounds."""
     from mmserve.llm import LLM
 
     ref = HFReference(model_dir, dtype=dtype)
-    engines = {c: LLM(model_dir, dtype=dtype, kv_cache_mb=kv_cache_mb, max_num_seqs=c) for c in concurrencies}
+    variants = [("", True)] + ([(" hf-layers", False)] if hf_layers else [])
+    engines = {
+        f"engine c={c}{suffix}": (
+            c,
+            LLM(model_dir, dtype=dtype, kv_cache_mb=kv_cache_mb, max_num_seqs=c, fuse_layers=fuse),
+        )
+        for c in concurrencies
+        for suffix, fuse in variants
+    }
     cfg = load_model_config(model_dir)
     per_token = KVPool.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, parse_dtype(dtype))
     print(
@@ -160,15 +171,15 @@ def run(
     hf_before = (hf_requests + 1) // 2
     hf_runs = [("hf", hf_before)] + ([("hf", hf_requests - hf_before)] if hf_requests > hf_before else [])
     for r in range(rounds):
-        engine_runs = [(f"engine c={c}", max(num_requests, c)) for c in concurrencies]
+        engine_runs = [(name, max(num_requests, c)) for name, (c, _) in engines.items()]
         for name, count in [hf_runs[0], *engine_runs, *hf_runs[1:]]:
             images = [make_image(seed + i, image_size) for i in range(count)]
             seed += count
             if name == "hf":
                 res = run_hf(ref, images, output_tokens)
             else:
-                c = int(name.split("=")[1])
-                res = run_engine(engines[c], images, output_tokens, c)
+                c, llm = engines[name]
+                res = run_engine(llm, images, output_tokens, c, name)
             results.setdefault(name, []).append(res)
             print(
                 f"round {r + 1} {name:<12} {res.tokens_per_s:8.1f} output tok/s ({res.seconds:.1f}s)",

@@ -38,10 +38,9 @@ def concat_linears(linears: list[torch.nn.Linear]) -> torch.nn.Linear:
     """One Linear whose output is the given layers' outputs side by side."""
     first = linears[0]
     bias = first.bias is not None
-    out = torch.nn.Linear(
-        first.in_features, sum(m.out_features for m in linears), bias=bias, dtype=first.weight.dtype,
-        device=first.weight.device,
-    )  # fmt: skip
+    width = sum(m.out_features for m in linears)
+    weight = first.weight
+    out = torch.nn.Linear(first.in_features, width, bias=bias, dtype=weight.dtype, device=weight.device)
     with torch.no_grad():
         out.weight.copy_(torch.cat([m.weight for m in linears]))
         if bias:
