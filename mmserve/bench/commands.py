@@ -315,7 +315,8 @@ def add_bench_parser(sub) -> None:
     p.add_argument(
         "--hf-layers",
         action="store_true",
-        help="also run each engine with transformers' layer code (--disable-layer-fusion), side by side",
+        help="also run each engine with transformers' layer code (--disable-layer-fusion), side by side "
+        "(every engine is held at once: twice the memory)",
     )
     p.add_argument("--json", default=None, help="write every figure (both tables, per round) here")
     p.set_defaults(func=_engine)
