@@ -69,9 +69,8 @@ class AttentionMetadata:
     seqs: list[SeqAttention]  # the queries of more than one row (prefill chunks), each attended on its own
     decode: DecodeGroup | None = None  # the one-row queries
     num_rows: int = 0  # total packed query rows
-    rotary: tuple[torch.Tensor, torch.Tensor] | None = (
-        None  # this step's RoPE rows (fused_layers.rotary_rows)
-    )
+    # this step's RoPE rows, built by the first fused layer for the others (fused_layers.rotary_rows)
+    rotary: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def __post_init__(self) -> None:
         # One gather per layer for all prefill chunks is much cheaper than one per request; each request then
