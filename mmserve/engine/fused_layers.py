@@ -35,19 +35,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def concat_linears(linears: list[torch.nn.Linear]) -> torch.nn.Linear:
-    """One Linear whose output is the given layers' outputs side by side (no random init: for a 7B model's
-    MLP that alone would cost seconds a layer)."""
+    """One Linear whose output is the given layers' outputs side by side. Built on the meta device and given
+    the concatenated weights: no random init or throw-away allocation (seconds a layer for a 7B model's MLP)."""
     first = linears[0]
     bias = first.bias is not None
     width = sum(m.out_features for m in linears)
-    weight = first.weight
-    out = torch.nn.utils.skip_init(
-        torch.nn.Linear, first.in_features, width, bias=bias, dtype=weight.dtype, device=weight.device
-    )
-    with torch.no_grad():
-        out.weight = torch.nn.Parameter(torch.cat([m.weight for m in linears]), requires_grad=False)
-        if bias:
-            out.bias = torch.nn.Parameter(torch.cat([m.bias for m in linears]), requires_grad=False)
+    out = torch.nn.Linear(first.in_features, width, bias=bias, device="meta")
+    out.weight = torch.nn.Parameter(torch.cat([m.weight for m in linears]), requires_grad=False)
+    if bias:
+        out.bias = torch.nn.Parameter(torch.cat([m.bias for m in linears]), requires_grad=False)
     return out
 
 
