@@ -29,10 +29,10 @@ def test_engine_death_fails_in_flight_requests_and_exits_nonzero(tiny_qwen2_vl, 
         with concurrent.futures.ThreadPoolExecutor(3) as pool:
             futures = [pool.submit(httpx.post, url, json=body, timeout=60) for _ in range(2)]
             streamed = pool.submit(stream)
-            deadline = (
-                time.monotonic() + 60
-            )  # the three requests are decoding (a fixed sleep is not enough on
-            while metric(server.url, "num_requests_running") < 3:  # a slow machine: the stream came too late)
+            # Until the three requests are decoding (a fixed sleep was not enough on a slow machine: the stream
+            # arrived too late).
+            deadline = time.monotonic() + 60
+            while metric(server.url, "num_requests_running") < 3:
                 assert time.monotonic() < deadline, "the requests never all ran"
                 time.sleep(0.1)
             start = time.monotonic()

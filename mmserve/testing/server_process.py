@@ -42,9 +42,10 @@ class ServerHandle:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             raise AssertionError("server did not stop within the timeout after SIGTERM") from None
-        for pid in still_running(children):  # no orphans: the engine process is gone too
-            os.kill(pid, signal.SIGKILL)
-            raise AssertionError(f"child process {pid} outlived the server")
+        if orphans := still_running(children):  # no orphans: the engine process is gone too
+            for pid in orphans:
+                os.kill(pid, signal.SIGKILL)
+            raise AssertionError(f"child processes {orphans} outlived the server")
         return code
 
 
