@@ -10,10 +10,16 @@ $(STAMP): pyproject.toml
 	@ldconfig -p | grep -q librdmacm.so.1 && ldconfig -p | grep -q libibverbs.so.1 || \
 	  { if [ "$$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq libibverbs1 librdmacm1; \
 	    else echo "mmserve: install libibverbs1 and librdmacm1 (sudo apt-get install libibverbs1 librdmacm1)" >&2; exit 1; fi; }
+	# mmserve's CPU kernels (mmserve/engine/csrc) are compiled once per machine by torch's extension builder,
+	# which needs a C++ compiler and ninja (Debian: g++, ninja-build).
+	@command -v g++ >/dev/null && command -v ninja >/dev/null || \
+	  { if [ "$$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq g++ ninja-build; \
+	    else echo "mmserve: install g++ and ninja-build (sudo apt-get install g++ ninja-build)" >&2; exit 1; fi; }
 	@test -x $(VENV)/bin/python || $(PY) -m venv $(VENV) || python3 -m venv $(VENV)
 	# torch first and pinned: an unpinned resolve would pull a multi-GB CUDA build.
 	$(VENV)/bin/pip install -q torch==2.13.0
 	$(VENV)/bin/pip install -q -e '.[dev]'
+	$(VENV)/bin/python -m mmserve.engine.cpu_kernels  # built now (~30 s) rather than by the first engine
 	@touch $(STAMP)
 
 demo: $(STAMP)

@@ -87,6 +87,7 @@ def engine_config_from_args(args: argparse.Namespace):
         encode_prefill_overlap=not args.disable_encode_prefill_overlap,
         pack_weights=not args.disable_weight_packing,
         fuse_layers=not args.disable_layer_fusion,
+        cpu_kernels=not args.disable_cpu_kernels,
         embedding_cache_mb=args.embedding_cache_mb,
         mm_processor_kwargs=tuple(_json_arg(args.mm_processor_kwargs, "--mm-processor-kwargs").items()),
         media=media_config_from_args(args),
@@ -256,6 +257,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="run the language model's decoder layers through transformers' own code (default for Qwen2-shaped "
         "layers: fused q/k/v and gate/up GEMMs, fewer ops; the same outputs, bitwise in fp32)",
+    )
+    p.add_argument(
+        "--disable-cpu-kernels",
+        action="store_true",
+        help="run the decode step's norms, RoPE and decode attention as PyTorch ops (default on a CPU: "
+        "mmserve's kernels, built once per machine with g++; decode attention reads K/V in place in the pool)",
     )
     p.add_argument("--embedding-cache-mb", type=float, default=512)
     p.add_argument(

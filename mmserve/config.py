@@ -144,6 +144,8 @@ class EngineConfig:
     pack_weights: bool = True
     # Qwen2-shaped decoder layers run as fused layers with fewer ops (mmserve.engine.fused_layers)
     fuse_layers: bool = True
+    # On a CPU: norms, RoPE and decode attention in mmserve's own kernels (mmserve.engine.cpu_kernels)
+    cpu_kernels: bool = True
     embedding_cache_mb: float = 512.0
     mm_processor_kwargs: tuple[tuple[str, object], ...] = ()
     media: MediaConfig = MediaConfig()

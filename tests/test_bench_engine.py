@@ -20,21 +20,18 @@ def test_bench_engine_reports_the_decode_step_against_its_gemm_floor(tiny_qwen2_
         "--json",
         str(out),
         "--hf-layers",
+        "--eager-ops",
     ]
     done = run_cli("bench", "engine", "--model", tiny_qwen2_vl, *args)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "| engine c=3 |" in done.stdout and "step / floor" in done.stdout
     result = json.loads(out.read_text())
     assert result["parameters"]["concurrency"] == [1, 3] and result["parameters"]["dtype"] == "float32"
-    # --hf-layers: each engine beside the same engine on transformers' layer code (--disable-layer-fusion)
-    assert set(result["summary"]) == {
-        "hf",
-        "engine c=1",
-        "engine c=3",
-        "engine c=1 hf-layers",
-        "engine c=3 hf-layers",
-    }
-    assert "| engine c=3 hf-layers |" in done.stdout
+    # --hf-layers: each engine beside the same engine on transformers' layer code (--disable-layer-fusion);
+    # --eager-ops: beside the same engine on PyTorch ops instead of the CPU kernels (--disable-cpu-kernels)
+    variants = ("", " hf-layers", " eager-ops")
+    assert set(result["summary"]) == {"hf"} | {f"engine c={c}{v}" for c in (1, 3) for v in variants}
+    assert "| engine c=3 hf-layers |" in done.stdout and "| engine c=3 eager-ops |" in done.stdout
     assert result["summary"]["hf"]["output_vs_hf"] == 1.0
     (run,) = result["rounds"]["engine c=3"]
     assert run["output_tokens"] == 3 * 8  # at least `concurrency` requests, whatever --num-requests says
@@ -46,4 +43,4 @@ def test_bench_engine_reports_the_decode_step_against_its_gemm_floor(tiny_qwen2_
     assert [run["decode_step"] for run in result["rounds"]["hf"]] == [None, None]
     # HF's two requests bracket the engine's runs (the machine drifts): one before, one after
     order = [line.split()[2] for line in done.stdout.splitlines() if line.startswith("round 1 ")]
-    assert order == ["hf", "engine", "engine", "engine", "engine", "hf"], done.stdout
+    assert order == ["hf", *["engine"] * 6, "hf"], done.stdout

@@ -151,6 +151,7 @@ def _engine(args: argparse.Namespace) -> int:
         dtype,
         args.kv_cache_mb,
         args.hf_layers,
+        args.eager_ops,
     )
     print(engine_bench.report(results))
     print()
@@ -317,6 +318,12 @@ def add_bench_parser(sub) -> None:
         action="store_true",
         help="also run each engine with transformers' layer code (--disable-layer-fusion), side by side "
         "(every engine is held at once: twice the memory)",
+    )
+    p.add_argument(
+        "--eager-ops",
+        action="store_true",
+        help="also run each engine with PyTorch ops instead of mmserve's CPU kernels (--disable-cpu-kernels), "
+        "side by side (every engine is held at once)",
     )
     p.add_argument("--json", default=None, help="write every figure (both tables, per round) here")
     p.set_defaults(func=_engine)

@@ -143,20 +143,24 @@ def run(
     dtype: str,
     kv_cache_mb: float,
     hf_layers: bool = False,
+    eager_ops: bool = False,
 ) -> dict[str, list[RunResult]]:
-    """`hf_layers`: beside each engine, the same engine running transformers' layer code instead of its fused
-    layers (`--disable-layer-fusion`), in the same rounds."""
+    """Beside each engine, in the same rounds: with `hf_layers` the same engine running transformers' layer
+    code instead of its fused layers (`--disable-layer-fusion`); with `eager_ops` the same engine running
+    PyTorch ops instead of mmserve's CPU kernels (`--disable-cpu-kernels`)."""
     from mmserve.llm import LLM
 
     ref = HFReference(model_dir, dtype=dtype)
-    variants = [("", True)] + ([(" hf-layers", False)] if hf_layers else [])
+    variants = [("", {})]  # name suffix, LLM options
+    variants += [(" hf-layers", {"fuse_layers": False})] if hf_layers else []
+    variants += [(" eager-ops", {"cpu_kernels": False})] if eager_ops else []
     engines = {
         f"engine c={c}{suffix}": (
             c,
-            LLM(model_dir, dtype=dtype, kv_cache_mb=kv_cache_mb, max_num_seqs=c, fuse_layers=fuse),
+            LLM(model_dir, dtype=dtype, kv_cache_mb=kv_cache_mb, max_num_seqs=c, **options),
         )
         for c in concurrencies
-        for suffix, fuse in variants
+        for suffix, options in variants
     }
     cfg = load_model_config(model_dir)
     per_token = KVPool.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, parse_dtype(dtype))

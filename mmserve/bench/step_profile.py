@@ -20,7 +20,12 @@ import torch
 from mmserve.engine.packed_linear import PackedLinear
 
 GEMM_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::_addmm_activation", "mkldnn::_linear_pointwise")
-ATTENTION_OPS = ("aten::index_select", "aten::index_copy_", "aten::index_put_")  # and every SDPA kernel
+ATTENTION_OPS = (  # and every SDPA kernel
+    "aten::index_select",
+    "aten::index_copy_",
+    "aten::index_put_",
+    "mmserve_cpu::decode_attention_",
+)
 LABELS = {"scheduler": "mmserve::schedule", "sampler": "mmserve::sample"}
 
 

@@ -15,9 +15,13 @@ Without `mm_attn` it falls back to HF's SDPA so the same model can still run `ge
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from mmserve.engine.cpu_kernels import CpuKernels
 
 ATTENTION_NAME = "mmserve_pool"
 
@@ -45,6 +49,8 @@ class DecodeGroup:
     rows: torch.Tensor | slice  # their query rows in the packed batch (a slice when consecutive)
     slots: torch.Tensor  # int64 (B, L): each row's KV slots, padded with slot 0 past its length
     mask: torch.Tensor | None  # bool (B, 1, 1, L), True where a slot is the row's; None if none is padded
+    row_ids: torch.Tensor  # int64 (B,): the rows as ids (the CPU kernel's form of `rows`)
+    lengths: torch.Tensor  # int64 (B,): each row's number of slots
 
     @staticmethod
     def make(rows: list[int], kv_slots: list[torch.Tensor], device: torch.device) -> DecodeGroup:
@@ -57,8 +63,9 @@ class DecodeGroup:
             mask = torch.arange(longest) < torch.tensor(lengths).unsqueeze(1)
             mask = mask[:, None, None, :].to(device)
         consecutive = rows == list(range(rows[0], rows[0] + len(rows)))
-        where = slice(rows[0], rows[0] + len(rows)) if consecutive else torch.tensor(rows, device=device)
-        return DecodeGroup(where, slots.to(device), mask)
+        row_ids = torch.tensor(rows, device=device)
+        where = slice(rows[0], rows[0] + len(rows)) if consecutive else row_ids
+        return DecodeGroup(where, slots.to(device), mask, row_ids, torch.tensor(lengths, device=device))
 
 
 @dataclass
@@ -71,6 +78,7 @@ class AttentionMetadata:
     num_rows: int = 0  # total packed query rows
     # this step's RoPE rows, built by the first fused layer for the others (fused_layers.rotary_rows)
     rotary: tuple[torch.Tensor, torch.Tensor] | None = None
+    kernels: CpuKernels | None = None  # mmserve's CPU kernels when the engine runs them (cpu_kernels.py)
 
     def __post_init__(self) -> None:
         # One gather per layer for all prefill chunks is much cheaper than one per request; each request then
@@ -80,7 +88,9 @@ class AttentionMetadata:
         self.kv_offsets = [sum(lengths[:i]) for i in range(len(lengths))]
 
     @classmethod
-    def build(cls, k_cache, v_cache, new_slots, seqs: list[SeqAttention], device) -> AttentionMetadata:
+    def build(
+        cls, k_cache, v_cache, new_slots, seqs: list[SeqAttention], device, kernels: CpuKernels | None = None
+    ) -> AttentionMetadata:
         """Split `seqs` (in row order) into the decode group and the chunks attended one by one."""
         ones = [s for s in seqs if s.q_len == 1]
         decode = (
@@ -91,7 +101,7 @@ class AttentionMetadata:
             rest = [
                 SeqAttention(s.q_start, s.q_len, s.kv_slots.to(device), _to(s.mask, device)) for s in rest
             ]
-        return cls(k_cache, v_cache, new_slots, rest, decode, sum(s.q_len for s in seqs))
+        return cls(k_cache, v_cache, new_slots, rest, decode, sum(s.q_len for s in seqs), kernels=kernels)
 
 
 def _to(mask: torch.Tensor | None, device) -> torch.Tensor | None:
@@ -124,12 +134,23 @@ def attend(layer: int, query, key, value, meta: AttentionMetadata, scaling: floa
     k_cache, v_cache = meta.k_cache[layer], meta.v_cache[layer]
     k_cache.index_copy_(0, meta.new_slots, key.to(k_cache.dtype))
     v_cache.index_copy_(0, meta.new_slots, value.to(v_cache.dtype))
-    decoded = _decode_attention(query, k_cache, v_cache, meta.decode, scaling) if meta.decode else None
-    if not meta.seqs:  # a pure decode step, rows 0..B-1 in order: (B, H, 1, D) -> (B, H, D)
-        return decoded.view(meta.num_rows, decoded.shape[1], decoded.shape[3])
-    out = query.new_empty(meta.num_rows, query.shape[1], query.shape[2])
-    if decoded is not None:
-        out[meta.decode.rows] = decoded[:, :, 0]
+    group = meta.decode
+    if group is not None and _kernel_fits(meta, query, k_cache):
+        # each decode row straight out of the pool into its row of `out`: no gather, no copy
+        out = query.new_empty(meta.num_rows, query.shape[1], query.shape[2])
+        scale = query.shape[2] ** -0.5 if scaling is None else scaling
+        kernel = meta.kernels.decode_attention_
+        kernel(out, query, group.row_ids, k_cache, v_cache, group.slots, group.lengths, scale)
+    elif group is not None:
+        decoded = _decode_attention(query, k_cache, v_cache, group, scaling)  # (B, H, 1, D)
+        if not meta.seqs:  # a pure decode step, rows 0..B-1 in order: (B, H, 1, D) -> (B, H, D)
+            return decoded.view(meta.num_rows, decoded.shape[1], decoded.shape[3])
+        out = query.new_empty(meta.num_rows, query.shape[1], query.shape[2])
+        out[group.rows] = decoded[:, :, 0]
+    else:
+        out = query.new_empty(meta.num_rows, query.shape[1], query.shape[2])
+    if not meta.seqs:
+        return out
     k_all = k_cache.index_select(0, meta.kv_slots).transpose(0, 1)  # (Hkv, sum kv, D)
     v_all = v_cache.index_select(0, meta.kv_slots).transpose(0, 1)
     for seq, offset in zip(meta.seqs, meta.kv_offsets, strict=True):
@@ -149,6 +170,12 @@ def attend(layer: int, query, key, value, meta: AttentionMetadata, scaling: floa
         )
         out[seq.q_start : seq.q_start + seq.q_len] = o[0].transpose(0, 1)  # (1, H, q, D) -> rows (q, H, D)
     return out
+
+
+def _kernel_fits(meta: AttentionMetadata, query: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """The CPU kernel serves the decode rows when the engine runs it and the pool holds the query's dtype
+    (float32 or bfloat16); otherwise SDPA does."""
+    return meta.kernels is not None and k_cache.dtype == query.dtype and query.stride(-1) == 1
 
 
 def _decode_attention(query, k_cache, v_cache, group: DecodeGroup, scaling) -> torch.Tensor:

@@ -97,7 +97,13 @@ class Engine:
         self.family = family or load_family(cfg.model, hf_config, dict(cfg.mm_processor_kwargs))
         self.model_config = ModelConfig.from_hf(cfg.model, hf_config, cfg.max_model_len)
         self.runner = ModelRunner(
-            self.family, self.model_config, cfg.dtype, cfg.device, cfg.pack_weights, cfg.fuse_layers
+            self.family,
+            self.model_config,
+            cfg.dtype,
+            cfg.device,
+            cfg.pack_weights,
+            cfg.fuse_layers,
+            cfg.cpu_kernels,
         )
         self.pool = build_kv_pool(cfg, self.model_config)
         # A decode server never prefills, so a prefix cache would only hold slots (mmserve.disagg).

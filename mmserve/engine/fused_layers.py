@@ -70,28 +70,42 @@ class FusedDecoderLayer(torch.nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, position_embeddings=None, **kwargs) -> torch.Tensor:
         meta: AttentionMetadata = kwargs["mm_attn"]
+        kernels = meta.kernels  # the same sums in one pass each (cpu_kernels.py), or the eager ops
         x = hidden_states[0]  # (T, hidden)
         t, heads, kv_heads, dim = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = self.qkv_proj(rms_norm(x, self.input_norm, self.input_eps))  # (T, (H + 2 Hkv) D)
+        norm = kernels.rms_norm if kernels is not None else rms_norm
+        qkv = self.qkv_proj(norm(x, self.input_norm, self.input_eps))  # (T, (H + 2 Hkv) D)
         qk = qkv[:, : (heads + kv_heads) * dim].view(t, heads + kv_heads, dim)
-        cos, sin = rotary_rows(meta, position_embeddings)
-        qk = qk * cos + qk.roll(dim // 2, -1) * sin  # (T, H + Hkv, D)
+        cos, sin = rotary_rows(meta, position_embeddings, qk.dtype)
+        if kernels is not None:
+            kernels.rope_(qk, cos, sin)  # in place: qkv is this layer's own
+        else:
+            qk = qk * cos.unsqueeze(1) + qk.roll(dim // 2, -1) * sin.unsqueeze(1)  # (T, H + Hkv, D)
         value = qkv[:, (heads + kv_heads) * dim :].view(t, kv_heads, dim)
         out = attend(self.layer_idx, qk[:, :heads], qk[:, heads:], value, meta, self.scaling)  # (T, H, D)
-        x = x + self.o_proj(out.reshape(t, heads * dim))
-        gate_up = self.gate_up_proj(rms_norm(x, self.post_norm, self.post_eps))  # (T, 2 I)
-        x = x + self.down_proj(F.silu(gate_up[:, : self.intermediate]) * gate_up[:, self.intermediate :])
+        attn = self.o_proj(out.reshape(t, heads * dim))
+        if kernels is not None:
+            x, normed = kernels.add_rms_norm(x, attn, self.post_norm, self.post_eps)
+        else:
+            x = x + attn
+            normed = rms_norm(x, self.post_norm, self.post_eps)
+        gate_up = self.gate_up_proj(normed)  # (T, 2 I)
+        if kernels is not None:
+            act = kernels.silu_mul(gate_up)
+        else:
+            act = F.silu(gate_up[:, : self.intermediate]) * gate_up[:, self.intermediate :]
+        x = x + self.down_proj(act)
         return x.unsqueeze(0)
 
 
-def rotary_rows(meta: AttentionMetadata, position_embeddings) -> tuple[torch.Tensor, torch.Tensor]:
-    """HF's (cos, sin), each (1, T, D), as (T, 1, D) rows with sin's first half negated: built by the first
-    layer of a step and kept on the step's metadata for the others."""
+def rotary_rows(meta: AttentionMetadata, position_embeddings, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """HF's (cos, sin), each (1, T, D), as contiguous (T, D) rows of `dtype` with sin's first half negated:
+    built by the first layer of a step and kept on the step's metadata for the others."""
     if meta.rotary is None:
         cos, sin = position_embeddings
         half = sin.shape[-1] // 2
         signed = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
-        meta.rotary = (cos[0].unsqueeze(1), signed[0].unsqueeze(1))
+        meta.rotary = (cos[0].to(dtype).contiguous(), signed[0].to(dtype).contiguous())
     return meta.rotary
 
 

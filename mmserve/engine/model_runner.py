@@ -17,6 +17,7 @@ import torch
 
 from mmserve.config import ModelConfig
 from mmserve.engine.attention import AttentionMetadata, SeqAttention, register_attention
+from mmserve.engine.cpu_kernels import kernels_for
 from mmserve.engine.fused_layers import fuse_decoder_layers
 from mmserve.engine.kv_pool import KVPool
 from mmserve.engine.packed_linear import PackedLinear, can_pack, pack_linears
@@ -58,6 +59,7 @@ class ModelRunner:
         device: str = "cpu",
         pack_weights: bool = True,
         fuse_layers: bool = True,
+        cpu_kernels: bool = True,
     ) -> None:
         lm = family.load_language_model(parse_dtype(dtype), register_attention())
         self.family = family
@@ -68,6 +70,7 @@ class ModelRunner:
         self.embed_tokens = self.language_model.get_input_embeddings()
         self.lm_head = lm.lm_head.to(self.device)
         self.fused_layers = fuse_decoder_layers(self.language_model) if fuse_layers else 0
+        self.kernels = kernels_for(self.device, cpu_kernels)  # None: the eager ops
         self.packed = pack_weights and can_pack(self.dtype, self.device)
         if self.packed:  # bitwise the same outputs, without re-ordering every weight on every call
             pack_linears(self.language_model)
@@ -136,7 +139,7 @@ class ModelRunner:
                 seqs.append(SeqAttention(row + j, 1, slots, None))
             row += len(decodes)
         meta = AttentionMetadata.build(
-            pool.k_cache, pool.v_cache, torch.cat(new_slots).to(self.device), seqs, self.device
+            pool.k_cache, pool.v_cache, torch.cat(new_slots).to(self.device), seqs, self.device, self.kernels
         )
         inputs = torch.cat(embeds).unsqueeze(0).to(self.device, self.dtype)  # (1, T, hidden)
         pos = torch.cat(positions, dim=1).to(self.device)  # (rows, T)

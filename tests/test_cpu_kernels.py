@@ -1,0 +1,161 @@
+"""mmserve's CPU kernels (mmserve.engine.cpu_kernels): each op against the eager ops it replaces, and the engine
+with them against the engine without them (same greedy tokens, logits within float rounding), for every
+family, fused layers and HF's. The parity suites (HF `generate` in every mode) run with the kernels on, the
+default. The kernels are built here if this machine has not built them yet: set-up needs g++."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mmserve.cli_args import engine_config_from_args
+from mmserve.engine.attention import DecodeGroup, _decode_attention
+from mmserve.engine.cpu_kernels import load_cpu_kernels
+from mmserve.engine.fused_layers import rms_norm
+from tests.families import FAMILIES
+from tests.test_engine_parity import make_llm
+from tests.test_fused_layers import batch
+from tests.test_packed_linear import logits_of
+
+DTYPES = (torch.float32, torch.bfloat16)
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    loaded = load_cpu_kernels()
+    assert loaded is not None, "the CPU kernels did not build (see the warning logged above)"
+    return loaded
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 5, 64])
+def test_norms_match_the_eager_ops(kernels, dtype, rows):
+    torch.manual_seed(rows)
+    x = torch.randn(rows, 2 * 896, dtype=dtype)[:, :896] * 3  # rows with a stride wider than a row
+    delta = torch.randn(rows, 896, dtype=dtype)
+    weight = torch.randn(896, dtype=dtype)
+    total, normed = kernels.add_rms_norm(x, delta, weight, 1e-6)
+    assert torch.equal(total, x + delta)  # the residual add rounds as the eager add
+    exact = dtype == torch.bfloat16  # fp32: the sum of squares adds in another order (last bits)
+    pairs = [(kernels.rms_norm(x, weight, 1e-6), rms_norm(x, weight, 1e-6))]
+    pairs.append((normed, rms_norm(x + delta, weight, 1e-6)))
+    for got, want in pairs:
+        if exact:
+            assert torch.equal(got, want)
+        else:
+            torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dim", [64, 128])
+def test_rope_is_the_eager_rope_bitwise(kernels, dtype, dim):
+    torch.manual_seed(dim)
+    rows, heads, kv_heads = 9, 6, 2
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * dim, dtype=dtype)
+    cos, sin = torch.randn(rows, dim, dtype=dtype), torch.randn(rows, dim, dtype=dtype)
+    qk = qkv[:, : (heads + kv_heads) * dim].view(rows, heads + kv_heads, dim)
+    want = qk * cos.unsqueeze(1) + qk.roll(dim // 2, -1) * sin.unsqueeze(1)
+    values = qkv[:, (heads + kv_heads) * dim :].clone()
+    kernels.rope_(qk, cos, sin)
+    assert torch.equal(qk, want)
+    assert torch.equal(qkv[:, (heads + kv_heads) * dim :], values)  # v untouched
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 3, 20])
+def test_silu_mul_matches_the_eager_ops(kernels, dtype, rows):
+    torch.manual_seed(rows)
+    width = 1000  # not a multiple of the kernel's 512-element blocks
+    gate_up = (torch.randn(rows, 2 * width + 6) * 4).to(dtype)[:, : 2 * width]  # a wider row stride
+    want = F.silu(gate_up[:, :width]) * gate_up[:, width:]
+    got = kernels.silu_mul(gate_up)
+    assert got.shape == want.shape and got.is_contiguous()
+    # its exp is within about an ulp of PyTorch's: fp32 in the last bits, bf16 at most one step apart
+    tol = dict(rtol=1e-6, atol=1e-6) if dtype == torch.float32 else dict(rtol=2**-7, atol=1e-3)
+    torch.testing.assert_close(got, want, **tol)
+
+
+def decode_case(dtype, batch, heads, kv_heads, dim, seed):
+    """A pool, requests of different lengths on scattered slots, their query rows among prefill rows."""
+    gen = torch.Generator().manual_seed(seed)
+    num_slots = 600
+    k_cache = torch.randn(num_slots, kv_heads, dim, generator=gen).to(dtype)
+    v_cache = torch.randn(num_slots, kv_heads, dim, generator=gen).to(dtype)
+    order = torch.randperm(num_slots, generator=gen)
+    lengths = [1 + (37 * i + 11) % 90 for i in range(batch)]
+    starts = [sum(lengths[:i]) for i in range(batch)]
+    kv = [order[s : s + n] for s, n in zip(starts, lengths, strict=True)]
+    rows = [3 + 2 * i for i in range(batch)]  # not consecutive: rows of other chunks between them
+    query = torch.randn(rows[-1] + 2, heads + kv_heads, dim, generator=gen).to(dtype)[:, :heads]
+    return query, k_cache, v_cache, DecodeGroup.make(rows, kv, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "heads,kv_heads,dim",
+    [(14, 2, 64), (12, 2, 128), (4, 4, 64), (16, 1, 64), (6, 2, 80)],  # G = 7, 6, 1 (MHA), 16, any head size
+)
+def test_decode_attention_matches_sdpa(kernels, dtype, heads, kv_heads, dim):
+    query, k_cache, v_cache, group = decode_case(dtype, 5, heads, kv_heads, dim, seed=heads + dim)
+    want = _decode_attention(query, k_cache, v_cache, group, 0.1)[:, :, 0]  # SDPA over gathered K/V
+    out = torch.full_like(query, 7.0)
+    kernels.decode_attention_(out, query, group.row_ids, k_cache, v_cache, group.slots, group.lengths, 0.1)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=0.02, atol=0.02)
+    torch.testing.assert_close(out[group.row_ids].float(), want.float(), **tol)
+    others = torch.ones(out.shape[0], dtype=torch.bool)
+    others[group.row_ids] = False
+    assert torch.all(out[others] == 7.0)  # only the decode rows are written
+
+
+def test_decode_attention_refuses_bad_indices(kernels):
+    query, k_cache, v_cache, group = decode_case(torch.float32, 2, 4, 2, 64, seed=1)
+    out = torch.empty_like(query)
+    bad = group.slots.clone()
+    bad[0, 0] = k_cache.shape[0]
+    with pytest.raises(RuntimeError, match="slot out of range"):
+        kernels.decode_attention_(out, query, group.row_ids, k_cache, v_cache, bad, group.lengths, 0.1)
+    with pytest.raises(RuntimeError, match="bad row or length"):
+        rows = group.row_ids + query.shape[0]
+        kernels.decode_attention_(out, query, rows, k_cache, v_cache, group.slots, group.lengths, 0.1)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        kernels.rms_norm(torch.ones(2, 4, dtype=torch.float64), torch.ones(4, dtype=torch.float64), 1e-6)
+
+
+@pytest.mark.parametrize("arch", ["qwen2_vl", "qwen2_5_vl", "llava_onevision", "qwen2_audio", "qwen3_vl"])
+def test_engine_with_kernels_keeps_tokens(arch, tiny_model, kernels):
+    """Chunked prefills beside decodes of different lengths, a prefix-cache hit; fp32."""
+    spec, path = FAMILIES[arch], tiny_model(arch)
+    options = dict(dtype="float32", max_num_batched_tokens=48)
+    fast = make_llm(path, spec.mm_kwargs, **options)
+    eager = make_llm(path, spec.mm_kwargs, cpu_kernels=False, **options)
+    assert fast.engine.runner.kernels is not None and eager.engine.runner.kernels is None
+    tokens, logits = logits_of(fast, batch(spec))
+    eager_tokens, eager_logits = logits_of(eager, batch(spec))
+    assert tokens == eager_tokens
+    for a, b in zip(logits, eager_logits, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    assert fast.engine.scheduler.stats.prefix_hit_tokens > 0
+
+
+def test_hf_layers_use_the_decode_kernel(tiny_qwen2_vl, kernels, monkeypatch):
+    """Without the fused layers, transformers' layers call the pool attention, which runs the kernel."""
+    calls = []
+    real = kernels.decode_attention_
+    monkeypatch.setattr(kernels, "decode_attention_", lambda *a: calls.append(1) or real(*a))
+    spec = FAMILIES["qwen2_vl"]
+    llm = make_llm(tiny_qwen2_vl, spec.mm_kwargs, fuse_layers=False)
+    assert llm.engine.runner.kernels is kernels
+    eager = make_llm(tiny_qwen2_vl, spec.mm_kwargs, fuse_layers=False, cpu_kernels=False)
+    tokens, _ = logits_of(llm, batch(spec))
+    assert calls
+    assert tokens == logits_of(eager, batch(spec))[0]
+
+
+def test_disable_cpu_kernels_flag(tiny_qwen2_vl):
+    from mmserve.cli import build_parser
+
+    args = build_parser().parse_args(["serve", tiny_qwen2_vl])
+    assert engine_config_from_args(args).cpu_kernels
+    args = build_parser().parse_args(["serve", tiny_qwen2_vl, "--disable-cpu-kernels"])
+    assert not engine_config_from_args(args).cpu_kernels
