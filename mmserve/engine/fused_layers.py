@@ -9,9 +9,11 @@ applies the final norm. The layer computes what HF's computes, op for op, except
 - RoPE runs once over the q and k heads together, with `rotate_half(x) * sin` written as
   `roll(x) * sin'`, sin' being sin with its first half negated (built once per step): the same products;
 - activations stay in rows (T, heads, dim) and go to the pool attention (`attention.attend`) directly.
-In fp32 (MKL) the concatenated GEMMs are bitwise equal to the separate ones, so the layer's output is bitwise
-HF's; in bf16 oneDNN may block a concatenated q/k/v GEMM differently at some row counts (64, 300), a last-bit
-difference of the same kind as batching rows already gives. `tests/test_fused_layers.py` holds both.
+In fp32 (MKL) the concatenated GEMMs are bitwise equal to the separate ones, so with the eager ops the layer's
+output is bitwise HF's; in bf16 oneDNN may block a concatenated q/k/v GEMM differently at some row counts (64,
+300), a last-bit difference of the same kind as batching rows already gives. `tests/test_fused_layers.py` holds
+both. On a CPU the norms, RoPE and SiLU-and-mul run in mmserve's kernels when the step's metadata carries them
+(`cpu_kernels.py`: one pass each, the same roundings; tests/test_cpu_kernels.py).
 """
 
 from __future__ import annotations
