@@ -59,7 +59,9 @@ def test_chat_logprobs_equal_log_softmax_of_hf_logits(client, ref) -> None:
     for step, entry in enumerate(content):
         token = expected.token_ids[step]
         assert entry.token == ref.tokenizer.decode([token])
-        assert abs(entry.logprob - logp[step, token].item()) < 1e-5
+        # fp32; the server's decode attention and norms (mmserve's CPU kernels) sum in another order than
+        # PyTorch's ops, a last-bit difference that this random tiny model grows to ~1e-5 over 8 steps
+        assert abs(entry.logprob - logp[step, token].item()) < 5e-5
         assert len(entry.top_logprobs) == 3 and entry.top_logprobs[0].logprob == pytest.approx(entry.logprob)
 
 
