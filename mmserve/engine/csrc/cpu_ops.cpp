@@ -224,7 +224,7 @@ Tensor silu_mul(const Tensor& gate_up) {
 }
 
 constexpr int64_t kLanes = 8;  // query heads per KV head scored together (Qwen2 shapes have 2-8)
-constexpr int64_t kSlots = 4;  // slots scored together
+constexpr int64_t kSlots = 8;  // slots scored together: independent multiply-add chains
 
 // One request's G query heads (those sharing KV head `kv_head`) against its slots. kDim > 0 fixes the head
 // size at compile time (64 and 128 cover the served models), so the per-row loops unroll into whole vectors.
