@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from mmserve.cli_args import engine_config_from_args
 from mmserve.engine.attention import DecodeGroup, _decode_attention
-from mmserve.engine.cpu_kernels import load_cpu_kernels
+from mmserve.engine.cpu_kernels import kernels_for, load_cpu_kernels
 from mmserve.engine.fused_layers import rms_norm
 from tests.families import FAMILIES
 from tests.test_engine_parity import make_llm
@@ -150,6 +150,16 @@ def test_hf_layers_use_the_decode_kernel(tiny_qwen2_vl, kernels, monkeypatch):
     tokens, _ = logits_of(llm, batch(spec))
     assert calls
     assert tokens == logits_of(eager, batch(spec))[0]
+
+
+def test_kernels_only_where_they_apply(kernels):
+    cpu = torch.device("cpu")
+    assert (
+        kernels_for(cpu, torch.bfloat16, True) is kernels and kernels_for(cpu, torch.float32, True) is kernels
+    )
+    assert kernels_for(cpu, torch.float16, True) is None  # fp16 runs the eager ops
+    assert kernels_for(torch.device("cuda"), torch.bfloat16, True) is None
+    assert kernels_for(cpu, torch.bfloat16, False) is None
 
 
 def test_disable_cpu_kernels_flag(tiny_qwen2_vl):

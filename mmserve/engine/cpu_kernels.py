@@ -69,9 +69,13 @@ def load_cpu_kernels() -> CpuKernels | None:
         return None
 
 
-def kernels_for(device: torch.device, enabled: bool) -> CpuKernels | None:
-    """The kernels an engine on `device` uses: only on the CPU, only when enabled, only if they build."""
-    if not enabled or device.type != "cpu":
+KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def kernels_for(device: torch.device, dtype: torch.dtype, enabled: bool) -> CpuKernels | None:
+    """The kernels an engine on `device` in `dtype` uses: only on the CPU, in fp32 or bf16 (an fp16 engine runs
+    the eager ops), only when enabled, only if they build."""
+    if not enabled or device.type != "cpu" or dtype not in KERNEL_DTYPES:
         return None
     return load_cpu_kernels()
 

@@ -70,7 +70,7 @@ class ModelRunner:
         self.embed_tokens = self.language_model.get_input_embeddings()
         self.lm_head = lm.lm_head.to(self.device)
         self.fused_layers = fuse_decoder_layers(self.language_model) if fuse_layers else 0
-        self.kernels = kernels_for(self.device, cpu_kernels)  # None: the eager ops
+        self.kernels = kernels_for(self.device, self.dtype, cpu_kernels)  # None: the eager ops
         self.packed = pack_weights and can_pack(self.dtype, self.device)
         if self.packed:  # bitwise the same outputs, without re-ordering every weight on every call
             pack_linears(self.language_model)
