@@ -54,18 +54,17 @@ class DecodeGroup:
 
     @staticmethod
     def make(rows: list[int], kv_slots: list[torch.Tensor], device: torch.device) -> DecodeGroup:
-        lengths = [s.shape[0] for s in kv_slots]
-        longest = max(lengths)
-        if min(lengths) == longest:
+        lengths = torch.tensor([s.shape[0] for s in kv_slots])
+        longest = int(lengths.max())
+        if int(lengths.min()) == longest:
             slots, mask = torch.stack(kv_slots), None
         else:
             slots = torch.nn.utils.rnn.pad_sequence(kv_slots, batch_first=True)
-            mask = torch.arange(longest) < torch.tensor(lengths).unsqueeze(1)
-            mask = mask[:, None, None, :].to(device)
+            mask = (torch.arange(longest) < lengths.unsqueeze(1))[:, None, None, :].to(device)
         consecutive = rows == list(range(rows[0], rows[0] + len(rows)))
         row_ids = torch.tensor(rows, device=device)
         where = slice(rows[0], rows[0] + len(rows)) if consecutive else row_ids
-        return DecodeGroup(where, slots.to(device), mask, row_ids, torch.tensor(lengths, device=device))
+        return DecodeGroup(where, slots.to(device), mask, row_ids, lengths.to(device))
 
 
 @dataclass
@@ -134,21 +133,20 @@ def attend(layer: int, query, key, value, meta: AttentionMetadata, scaling: floa
     k_cache, v_cache = meta.k_cache[layer], meta.v_cache[layer]
     k_cache.index_copy_(0, meta.new_slots, key.to(k_cache.dtype))
     v_cache.index_copy_(0, meta.new_slots, value.to(v_cache.dtype))
-    group = meta.decode
-    if group is not None and _kernel_fits(meta, query, k_cache):
-        # each decode row straight out of the pool into its row of `out`: no gather, no copy
-        out = query.new_empty(meta.num_rows, query.shape[1], query.shape[2])
-        scale = query.shape[2] ** -0.5 if scaling is None else scaling
-        kernel = meta.kernels.decode_attention_
-        kernel(out, query, group.row_ids, k_cache, v_cache, group.slots, group.lengths, scale)
-    elif group is not None:
+    group, kernels = meta.decode, meta.kernels  # the pool holds the model's dtype, which the kernels take
+    if group is not None and kernels is None:
         decoded = _decode_attention(query, k_cache, v_cache, group, scaling)  # (B, H, 1, D)
         if not meta.seqs:  # a pure decode step, rows 0..B-1 in order: (B, H, 1, D) -> (B, H, D)
             return decoded.view(meta.num_rows, decoded.shape[1], decoded.shape[3])
-        out = query.new_empty(meta.num_rows, query.shape[1], query.shape[2])
+    out = query.new_empty(meta.num_rows, query.shape[1], query.shape[2])
+    if group is not None and kernels is not None:
+        # each decode row straight out of the pool into its row of `out`: no gather, no copy
+        scale = query.shape[2] ** -0.5 if scaling is None else scaling
+        kernels.decode_attention_(
+            out, query, group.row_ids, k_cache, v_cache, group.slots, group.lengths, scale
+        )
+    elif group is not None:
         out[group.rows] = decoded[:, :, 0]
-    else:
-        out = query.new_empty(meta.num_rows, query.shape[1], query.shape[2])
     if not meta.seqs:
         return out
     k_all = k_cache.index_select(0, meta.kv_slots).transpose(0, 1)  # (Hkv, sum kv, D)
@@ -170,12 +168,6 @@ def attend(layer: int, query, key, value, meta: AttentionMetadata, scaling: floa
         )
         out[seq.q_start : seq.q_start + seq.q_len] = o[0].transpose(0, 1)  # (1, H, q, D) -> rows (q, H, D)
     return out
-
-
-def _kernel_fits(meta: AttentionMetadata, query: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    """The CPU kernel serves the decode rows when the engine runs it and the pool holds the query's dtype
-    (float32 or bfloat16); otherwise SDPA does."""
-    return meta.kernels is not None and k_cache.dtype == query.dtype and query.stride(-1) == 1
 
 
 def _decode_attention(query, k_cache, v_cache, group: DecodeGroup, scaling) -> torch.Tensor:
