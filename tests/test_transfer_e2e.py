@@ -123,10 +123,10 @@ def test_sigkilled_encoder_leaks_nothing_and_requests_fail_over(tiny_qwen2_vl, l
         cases = [image_case([10 + i, 13 + i], f"Killed sender {i}.") for i in range(3)]
         with concurrent.futures.ThreadPoolExecutor(len(cases)) as pool:
             futures = [pool.submit(chat, server.url, case, 48) for case in cases]
-            # The parts are in the engine (their regions held) once the encoder's pool is in use.
-            wait_for(
-                lambda: transport(encoder.url, "shm_pool_used_bytes") > 0, "parts in the shared-memory pool"
-            )
+            # Killed once the first part has reached the engine over shared memory (the link exists): its region
+            # is held until its request's other item arrives, while the other requests' items still encode.
+            # (Polling the pool's used bytes raced the engine releasing regions once decodes got faster.)
+            wait_for(lambda: transport(encoder.url, "shm_links") > 0, "a part sent over shared memory")
             encoder.proc.send_signal(signal.SIGKILL)
             results = [f.result(timeout=120) for f in futures]
         for case, r in zip(cases, results, strict=True):  # held regions stay valid; the rest fail over
