@@ -16,6 +16,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <immintrin.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -226,6 +228,71 @@ Tensor silu_mul(const Tensor& gate_up) {
 constexpr int64_t kLanes = 8;  // query heads per KV head scored together (Qwen2 shapes have 2-8)
 constexpr int64_t kSlots = 8;  // slots scored together: independent multiply-add chains
 
+#if defined(__AVX512F__)
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const BFloat16* p) {  // bf16 is the high half of a float: widen and shift
+  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+inline void store16(float* p, __m512 x) { _mm512_storeu_ps(p, x); }
+inline void store16(BFloat16* p, __m512 x) {
+  alignas(64) float f[16];
+  _mm512_store_ps(f, x);
+  for (int i = 0; i < 16; ++i) p[i] = from_f<BFloat16>(f[i]);
+}
+
+// out[g] = (sum_j p[g][j] v[j]) / sum[g] for the G heads, kL heads at a time: kVecs vectors of 16 dims of each
+// accumulate in registers over all slots (at most 16 vectors), each V row read once per block of dims. The
+// same fused multiply-adds in the same order (slot by slot) as the plain loop: only loads and stores are fewer.
+template <typename T, int kDim, int kL, int kVecs>
+void weigh_values(const float* scores, int64_t len, const T* v_cache, const int64_t* slots, int64_t row_stride,
+                  int64_t kv_head, int64_t group, const float* inv_sums, T* out, int64_t out_head_stride) {
+  constexpr int kBlock = 16 * kVecs;
+  static_assert(kDim % kBlock == 0, "head size must be a multiple of the block");
+  for (int64_t g0 = 0; g0 < group; g0 += kL) {
+    const int64_t lanes = std::min<int64_t>(kL, group - g0);
+    const float* p[kL];  // the heads past `group` have weights 0 (the caller pads `scores`)
+    for (int l = 0; l < kL; ++l) p[l] = scores + (g0 + l) * len;
+    for (int d0 = 0; d0 < kDim; d0 += kBlock) {
+      __m512 a[kL][kVecs];
+#pragma GCC unroll 8
+      for (int l = 0; l < kL; ++l)
+#pragma GCC unroll 4
+        for (int x = 0; x < kVecs; ++x) a[l][x] = _mm512_setzero_ps();
+      for (int64_t j = 0; j < len; ++j) {
+        const T* v = v_cache + slots[j] * row_stride + kv_head * kDim + d0;
+        __m512 vx[kVecs];
+#pragma GCC unroll 4
+        for (int x = 0; x < kVecs; ++x) vx[x] = load16(v + 16 * x);
+#pragma GCC unroll 8
+        for (int l = 0; l < kL; ++l) {
+          const __m512 w = _mm512_set1_ps(p[l][j]);
+#pragma GCC unroll 4
+          for (int x = 0; x < kVecs; ++x) a[l][x] = _mm512_fmadd_ps(w, vx[x], a[l][x]);
+        }
+      }
+      for (int l = 0; l < lanes; ++l) {
+        const __m512 inv = _mm512_set1_ps(inv_sums[g0 + l]);
+        T* o = out + (g0 + l) * out_head_stride + d0;
+#pragma GCC unroll 4
+        for (int x = 0; x < kVecs; ++x) store16(o + 16 * x, _mm512_mul_ps(a[l][x], inv));
+      }
+    }
+  }
+}
+
+// weigh_values with lanes for the group's heads (8 for 5-8 heads: one pass over V), few wasted on small groups.
+template <typename T, int kDim>
+void weigh_values(const float* scores, int64_t len, const T* v_cache, const int64_t* slots, int64_t row_stride,
+                  int64_t kv_head, int64_t group, const float* inv_sums, T* out, int64_t out_head_stride) {
+  const auto run = group >= 5   ? weigh_values<T, kDim, 8, 2>
+                   : group >= 3 ? weigh_values<T, kDim, 4, 4>
+                   : group >= 2 ? weigh_values<T, kDim, 2, 4>
+                                : weigh_values<T, kDim, 1, 4>;
+  run(scores, len, v_cache, slots, row_stride, kv_head, group, inv_sums, out, out_head_stride);
+}
+#endif
+
 // One request's G query heads (those sharing KV head `kv_head`) against its slots. kDim > 0 fixes the head
 // size at compile time (64 and 128 cover the served models), so the per-row loops unroll into whole vectors.
 template <typename T, int kDim>
@@ -233,11 +300,12 @@ void attend_one(const T* q, int64_t q_head_stride, const T* k_cache, const T* v_
                 int64_t len, int64_t kv_heads, int64_t kv_head, int64_t group, int64_t runtime_dim, float scale,
                 T* out, int64_t out_head_stride, std::vector<float>& buf) {
   const int64_t dim = kDim > 0 ? kDim : runtime_dim;
-  buf.resize(group * dim * 2 + group * len + dim * (kLanes + kSlots) + group);
+  const int64_t padded = (group + kLanes - 1) / kLanes * kLanes;  // heads, to whole vectors of lanes
+  buf.resize(group * dim * 2 + padded * len + dim * (kLanes + kSlots) + group);
   float* qf = buf.data();
   float* acc = qf + group * dim;
   float* scores = acc + group * dim;
-  float* row = scores + group * len;  // scratch: a V row, or the transposed queries and K rows
+  float* row = scores + padded * len;  // scratch: a V row, or the transposed queries and K rows
   float* tops = row + dim * (kLanes + kSlots);  // each head's largest score, then 1 / its softmax sum
   for (int64_t g = 0; g < group; ++g)
     for (int64_t d = 0; d < dim; ++d) qf[g * dim + d] = to_f(q[g * q_head_stride + d]) * scale;
@@ -301,6 +369,13 @@ void attend_one(const T* q, int64_t q_head_stride, const T* k_cache, const T* v_
     }
     tops[g] = 1.0f / total;
   }
+  std::fill(scores + group * len, scores + padded * len, 0.f);  // the padding heads weigh nothing
+#if defined(__AVX512F__)
+  if constexpr (kDim > 0) {
+    weigh_values<T, kDim>(scores, len, v_cache, slots, row_stride, kv_head, group, tops, out, out_head_stride);
+    return;
+  }
+#endif
   for (int64_t j = 0; j < len; ++j) {
     const T* v = v_cache + slots[j] * row_stride + kv_head * dim;
     _Pragma("omp simd") for (int64_t d = 0; d < dim; ++d) row[d] = to_f(v[d]);
