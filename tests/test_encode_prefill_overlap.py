@@ -181,7 +181,11 @@ def test_monolithic_and_epd_servers_overlap_and_match_hf(shared_server, shared_s
         several = image_case(
             [seed + 10, seed + 11, seed + 12], "Compare them.", system=f"{SYSTEM} Set {seed}."
         )
+        parts = metric(url, "embedding_parts_received_total")
         assert chat(url, several)["choices"][0]["message"]["content"] == expected(several)
+        # EPD: each image is a part of its own, sent as soon as it is encoded, whichever encoder has it (two
+        # encoders would otherwise get two parts); monolithic: the engine's own tower, no parts.
+        assert metric(url, "embedding_parts_received_total") - parts == (3 if url == epd.url else 0)
 
 
 def test_a_failed_text_prefill_releases_its_request(tiny_qwen2_vl, oracle):

@@ -1,8 +1,10 @@
 """Fan a request's media out to encoder services, with failover, and keep the registry's health current.
 
 `plan` splits a request's items over healthy encoders with the routing policy (routing key: hash of the
-item's bytes, or its URL). The key ignores the request's cache salt on purpose: an encoder keys its cache
-by the salted content hash, so equal bytes of two tenants meet on one encoder without sharing a hit.
+item's bytes, or its URL): one part per encoder, or one per item when the engine overlaps encode and prefill
+(each item then reaches the engine as soon as it is encoded, not with the request's last). The key ignores
+the request's cache salt on purpose: an encoder keys its cache by the salted content hash, so equal bytes of
+two tenants meet on one encoder without sharing a hit.
 `run` POSTs one `/encode` job per part (with the request's cache salt) and decides each part's fate:
 - 200: delivered to the engine by the encoder; done.
 - 400/413: bad media; the encoder pushed an error part and the engine fails the request (no retry). Other
@@ -66,12 +68,16 @@ class Dispatcher:
         attempt_timeout_s: float,
         headers: dict[str, str] | None = None,
         min_items: int = 0,
+        part_per_item: bool = False,
     ) -> None:
         self.registry = registry
         self.policy = policy
         self.engine = engine  # EngineClient: send LocalEncodeReq / FailReq
         self.routes = routes
         self.min_items = min_items  # fewer media items: encoded by the engine's own tower (adaptive dispatch)
+        # Each item its own part (job), pushed as soon as it is encoded, so that the engine prefills the prompt
+        # up to the next missing item meanwhile (encode-prefill overlap), even when one encoder has them all.
+        self.part_per_item = part_per_item
         self.engine_has_tower = engine_has_tower
         self.attempt_timeout_s = attempt_timeout_s
         self.http = httpx.AsyncClient(timeout=attempt_timeout_s, headers=headers)  # headers: cluster token
@@ -90,6 +96,9 @@ class Dispatcher:
             return None
         keys = [_routing_key(item) for item in media]
         assignment = plan(self.policy, keys, candidates)
+        if self.part_per_item:
+            owner = {i: url for url, items in assignment.items() for i in items}
+            return [Part(i, owner[i], [i]) for i in range(len(media))]
         return [Part(i, url, items) for i, (url, items) in enumerate(assignment.items())]
 
     async def run(

@@ -43,7 +43,8 @@ def build_dispatcher(
     return Dispatcher(registry, make_policy(server_cfg.encoder_routing), client, routes,
                       ready.has_tower, attempt_timeout_s=engine_cfg.encode_timeout_s / 3,
                       headers=secret.headers if secret else None,
-                      min_items=server_cfg.encoder_dispatch_min_items)  # fmt: skip
+                      min_items=server_cfg.encoder_dispatch_min_items,
+                      part_per_item=engine_cfg.encode_prefill_overlap)  # fmt: skip
 
 
 def _is_loopback(host: str) -> bool:
