@@ -241,6 +241,93 @@ inline void store16(BFloat16* p, __m512 x) {
   for (int i = 0; i < 16; ++i) p[i] = from_f<BFloat16>(f[i]);
 }
 
+// r[i] = column i of the 16 x 16 block whose rows are r[0..15].
+inline void transpose16(__m512 r[16]) {
+  __m512 t[16];
+  for (int i = 0; i < 8; ++i) {  // pairs of rows interleaved by element...
+    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {  // ...then by pairs of elements...
+    const __m512d a = _mm512_castps_pd(t[4 * i]), b = _mm512_castps_pd(t[4 * i + 1]);
+    const __m512d c = _mm512_castps_pd(t[4 * i + 2]), d = _mm512_castps_pd(t[4 * i + 3]);
+    r[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c));
+    r[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c));
+    r[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, d));
+    r[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, d));
+  }
+  for (int i = 0; i < 4; ++i) {  // ...then by 128-bit quarters, twice
+    t[i] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0x88);
+    t[i + 4] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0xdd);
+    t[i + 8] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0x88);
+    t[i + 12] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0xdd);
+  }
+  for (int i = 0; i < 8; ++i) {
+    r[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88);
+    r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xdd);
+  }
+}
+
+// scores[g][j] = qf[g] . k_j for every slot, and each head's largest score into tops (qf holds kL-padded
+// heads, zeros past `group`). 16 slots at a time are the vector lanes: their K rows, transposed in registers
+// into kt (kt[d] = dim d of the 16 slots), are multiplied by each head's qf[g][d] broadcast. The same fused
+// multiply-adds in the same order (dims in turn) as the loop with the heads as lanes, at twice the width.
+template <typename T, int kDim, int kL>
+void score_slots(const float* qf, const T* k_cache, const int64_t* slots, int64_t len, int64_t row_stride,
+                 int64_t offset, int64_t group, float* kt, float* scores, float* tops) {
+  for (int64_t j0 = 0; j0 < len; j0 += 16) {
+    const int n = static_cast<int>(std::min<int64_t>(16, len - j0));
+    const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1);
+    for (int d0 = 0; d0 < kDim; d0 += 16) {
+      __m512 r[16];
+      for (int u = 0; u < 16; ++u)  // past the end: the last slot again, its scores dropped
+        r[u] = load16(k_cache + slots[j0 + std::min(u, n - 1)] * row_stride + offset + d0);
+      transpose16(r);
+      for (int i = 0; i < 16; ++i) _mm512_storeu_ps(kt + (d0 + i) * 16, r[i]);
+    }
+    for (int64_t g0 = 0; g0 < group; g0 += kL) {
+      const float* qg = qf + g0 * kDim;
+      __m512 acc[kL];
+#pragma GCC unroll 8
+      for (int l = 0; l < kL; ++l) acc[l] = _mm512_setzero_ps();
+      for (int d = 0; d < kDim; ++d) {
+        const __m512 k = _mm512_loadu_ps(kt + d * 16);
+#pragma GCC unroll 8
+        for (int l = 0; l < kL; ++l) acc[l] = _mm512_fmadd_ps(_mm512_set1_ps(qg[l * kDim + d]), k, acc[l]);
+      }
+      const int64_t lanes = std::min<int64_t>(kL, group - g0);
+      for (int l = 0; l < lanes; ++l) {
+        _mm512_mask_storeu_ps(scores + (g0 + l) * len + j0, valid, acc[l]);
+        tops[g0 + l] = std::max(tops[g0 + l], _mm512_mask_reduce_max_ps(valid, acc[l]));
+      }
+    }
+  }
+}
+
+// score_slots with lanes for the group's heads; false where it does not apply (one head: a dot product).
+template <typename T, int kDim>
+bool score_vectors(const float* qf, const T* k_cache, const int64_t* slots, int64_t len, int64_t row_stride,
+                   int64_t offset, int64_t group, float* kt, float* scores, float* tops) {
+  if constexpr (kDim == 0) {
+    return false;
+  } else {
+    if (group < 2) return false;
+    const auto run = group >= 5   ? score_slots<T, kDim, 8>
+                     : group >= 3 ? score_slots<T, kDim, 4>
+                                  : score_slots<T, kDim, 2>;
+    run(qf, k_cache, slots, len, row_stride, offset, group, kt, scores, tops);
+    return true;
+  }
+}
+#else
+template <typename T, int kDim>
+bool score_vectors(const float*, const T*, const int64_t*, int64_t, int64_t, int64_t, int64_t, float*, float*,
+                   float*) {
+  return false;  // no AVX-512: the portable loops
+}
+#endif
+
+#if defined(__AVX512F__)
 // out[g] = (sum_j p[g][j] v[j]) / sum[g] for the G heads, kL heads at a time: kVecs vectors of 16 dims of each
 // accumulate in registers over all slots (at most 16 vectors), each V row read once per block of dims. The
 // same fused multiply-adds in the same order (slot by slot) as the plain loop: only loads and stores are fewer.
@@ -301,18 +388,21 @@ void attend_one(const T* q, int64_t q_head_stride, const T* k_cache, const T* v_
                 T* out, int64_t out_head_stride, std::vector<float>& buf) {
   const int64_t dim = kDim > 0 ? kDim : runtime_dim;
   const int64_t padded = (group + kLanes - 1) / kLanes * kLanes;  // heads, to whole vectors of lanes
-  buf.resize(group * dim * 2 + padded * len + dim * (kLanes + kSlots) + group);
-  float* qf = buf.data();
-  float* acc = qf + group * dim;
+  buf.resize(padded * dim + group * dim + padded * len + dim * (kLanes + kSlots) + group);
+  float* qf = buf.data();  // the padding heads' queries are zeros
+  float* acc = qf + padded * dim;
   float* scores = acc + group * dim;
   float* row = scores + padded * len;  // scratch: a V row, or the transposed queries and K rows
   float* tops = row + dim * (kLanes + kSlots);  // each head's largest score, then 1 / its softmax sum
   for (int64_t g = 0; g < group; ++g)
     for (int64_t d = 0; d < dim; ++d) qf[g * dim + d] = to_f(q[g * q_head_stride + d]) * scale;
+  std::fill(qf + group * dim, qf + padded * dim, 0.f);
   std::fill(acc, acc + group * dim, 0.f);
   const int64_t row_stride = kv_heads * dim;
   std::fill(tops, tops + group, -INFINITY);
-  if (group == 1) {  // one query head per KV head: a dot product per slot
+  if (score_vectors<T, kDim>(qf, k_cache, slots, len, row_stride, kv_head * dim, group, row, scores, tops)) {
+    // scored 16 slots at a time (AVX-512, head sizes 64 and 128)
+  } else if (group == 1) {  // one query head per KV head: a dot product per slot
     for (int64_t j = 0; j < len; ++j) {
       const T* k = k_cache + slots[j] * row_stride + kv_head * dim;
       float dot = 0.f;
