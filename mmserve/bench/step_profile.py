@@ -25,6 +25,7 @@ ATTENTION_OPS = (  # and every SDPA kernel
     "aten::index_copy_",
     "aten::index_put_",
     "mmserve_cpu::decode_attention_",
+    "mmserve_cpu::store_kv_",
 )
 LABELS = {"scheduler": "mmserve::schedule", "sampler": "mmserve::sample"}
 

@@ -131,9 +131,12 @@ def attend(layer: int, query, key, value, meta: AttentionMetadata, scaling: floa
     """One layer's attention over the pool, in rows: query (T, H, D), key/value (T, Hkv, D) with RoPE applied
     (any strides); writes the new K/V into the pool and returns (T, H, D)."""
     k_cache, v_cache = meta.k_cache[layer], meta.v_cache[layer]
-    k_cache.index_copy_(0, meta.new_slots, key.to(k_cache.dtype))
-    v_cache.index_copy_(0, meta.new_slots, value.to(v_cache.dtype))
     group, kernels = meta.decode, meta.kernels  # the pool holds the model's dtype, which the kernels take
+    if kernels is not None:
+        kernels.store_kv_(k_cache, v_cache, meta.new_slots, key, value)
+    else:
+        k_cache.index_copy_(0, meta.new_slots, key.to(k_cache.dtype))
+        v_cache.index_copy_(0, meta.new_slots, value.to(v_cache.dtype))
     if group is not None and kernels is None:
         decoded = _decode_attention(query, k_cache, v_cache, group, scaling)  # (B, H, 1, D)
         if not meta.seqs:  # a pure decode step, rows 0..B-1 in order: (B, H, 1, D) -> (B, H, D)

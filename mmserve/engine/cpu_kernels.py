@@ -46,6 +46,7 @@ class CpuKernels:
         self.rope_ = ops.rope_
         self.silu_mul = ops.silu_mul
         self.decode_attention_ = ops.decode_attention_
+        self.store_kv_ = ops.store_kv_
 
 
 @functools.cache  # one build and load per process: the ops live in torch's global registry

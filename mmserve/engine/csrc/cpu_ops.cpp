@@ -8,7 +8,8 @@
 //   first half negated), rounding each product as the eager ops do: bitwise the eager result;
 // - silu_mul: silu(gate) * up over the (T, 2I) gate/up GEMM output;
 // - decode_attention_: every one-row query against its own slots, reading K and V in place in the pool
-//   (no gather), the G query heads that share a KV head together so each K/V row is read once.
+//   (no gather), the G query heads that share a KV head together so each K/V row is read once;
+// - store_kv_: a layer's new K and V rows into the pool at their slots, in one pass.
 // Element-wise work rounds to the tensor dtype where the eager ops round (float math, bf16 storage). The file
 // is built with -ffp-contract=off so no multiply-add is fused into one rounding the eager ops do not have;
 // the attention's sums, which are never the eager ones bit for bit, call std::fma where they want it.
@@ -549,6 +550,45 @@ void decode_attention_(Tensor out, const Tensor& query, const Tensor& rows, cons
   });
 }
 
+// k_cache[slots[t]] = key[t], v_cache[slots[t]] = value[t] for every new token t (any row strides): a layer's
+// pool write in one pass, where two index_copy_ calls and their casts cost 40-50 us a layer at one row.
+void store_kv_(Tensor k_cache, Tensor v_cache, const Tensor& slots, const Tensor& key, const Tensor& value) {
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 3 &&
+                  k_cache.sizes() == v_cache.sizes() && k_cache.scalar_type() == v_cache.scalar_type() &&
+                  k_cache.device().is_cpu() && v_cache.device().is_cpu(),
+              "store_kv_: k_cache and v_cache (S, Hkv, D), contiguous, on the CPU");
+  TORCH_CHECK(key.device().is_cpu() && value.device().is_cpu() && key.dim() == 3 && key.sizes() == value.sizes() &&
+                  key.size(1) == k_cache.size(1) && key.size(2) == k_cache.size(2) && key.stride(2) == 1 &&
+                  value.stride(2) == 1 && key.scalar_type() == k_cache.scalar_type() &&
+                  value.scalar_type() == k_cache.scalar_type(),
+              "store_kv_: key and value (T, Hkv, D) with contiguous heads, of the pool's row shape and dtype");
+  TORCH_CHECK(k_cache.scalar_type() == at::kFloat || k_cache.scalar_type() == at::kBFloat16,
+              "store_kv_: the pool must be float32 or bfloat16");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.is_contiguous() &&
+                  slots.numel() == key.size(0),
+              "store_kv_: slots (T,) int64, one per row");
+  const int64_t rows = key.size(0), heads = key.size(1), dim = key.size(2), num_slots = k_cache.size(0);
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < rows; ++t)  // a bad slot would write outside the pool
+    TORCH_CHECK(sp[t] >= 0 && sp[t] < num_slots, "store_kv_: slot out of range");
+  dispatch(k_cache.scalar_type(), [&](auto tag) {
+    using scalar_t = decltype(tag);
+    const int64_t row = heads * dim;
+    const size_t bytes = dim * sizeof(scalar_t);
+    scalar_t* kc = k_cache.data_ptr<scalar_t>();
+    scalar_t* vc = v_cache.data_ptr<scalar_t>();
+    const scalar_t* kp = key.data_ptr<scalar_t>();
+    const scalar_t* vp = value.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, grain(row * 16), [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t)
+        for (int64_t h = 0; h < heads; ++h) {
+          std::memcpy(kc + sp[t] * row + h * dim, kp + t * key.stride(0) + h * key.stride(1), bytes);
+          std::memcpy(vc + sp[t] * row + h * dim, vp + t * value.stride(0) + h * value.stride(1), bytes);
+        }
+    });
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY(mmserve_cpu, m) {
@@ -559,6 +599,7 @@ TORCH_LIBRARY(mmserve_cpu, m) {
   m.def(
       "decode_attention_(Tensor(a!) out, Tensor query, Tensor rows, Tensor k_cache, Tensor v_cache, Tensor slots, "
       "Tensor lengths, float scale) -> ()");
+  m.def("store_kv_(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, Tensor key, Tensor value) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(mmserve_cpu, CPU, m) {
@@ -567,4 +608,5 @@ TORCH_LIBRARY_IMPL(mmserve_cpu, CPU, m) {
   m.impl("rope_", &rope_);
   m.impl("silu_mul", &silu_mul);
   m.impl("decode_attention_", &decode_attention_);
+  m.impl("store_kv_", &store_kv_);
 }
