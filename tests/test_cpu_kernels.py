@@ -127,7 +127,8 @@ def test_decode_attention_refuses_bad_indices(kernels):
 def test_store_kv_writes_what_index_copy_writes(kernels, dtype, rows):
     torch.manual_seed(rows)
     k_cache, v_cache = (torch.randn(400, 2, 64, dtype=dtype) for _ in range(2))
-    qkv = torch.randn(rows, 18, 64, dtype=dtype)  # key and value are strided views, as in a layer's q/k/v output
+    # key and value are strided views, as in a layer's q/k/v output
+    qkv = torch.randn(rows, 18, 64, dtype=dtype)
     key, value = qkv[:, 14:16], qkv[:, 16:]
     slots = torch.randperm(400)[:rows]
     want_k, want_v = k_cache.clone().index_copy_(0, slots, key), v_cache.clone().index_copy_(0, slots, value)
@@ -136,7 +137,8 @@ def test_store_kv_writes_what_index_copy_writes(kernels, dtype, rows):
     with pytest.raises(RuntimeError, match="slot out of range"):
         kernels.store_kv_(k_cache, v_cache, torch.full((rows,), 400), key, value)
     with pytest.raises(RuntimeError, match="pool's row shape and dtype"):
-        kernels.store_kv_(k_cache, v_cache, slots, key.float() if dtype != torch.float32 else key.double(), value)
+        other = key.float() if dtype != torch.float32 else key.double()
+        kernels.store_kv_(k_cache, v_cache, slots, other, value)
 
 
 @pytest.mark.parametrize("arch", ["qwen2_vl", "qwen2_5_vl", "llava_onevision", "qwen2_audio", "qwen3_vl"])
