@@ -1,19 +1,20 @@
-"""mmserve's CPU kernels for the decode step (`csrc/cpu_ops.cpp`): built on first use, then loaded.
+"""mmserve's CPU kernels for the decode step (`csrc/`): built on first use, then loaded.
 
 Why our own: on this CPU the step spent 1.3-2x its GEMM floor in small eager ops and in gathering every
 request's K/V out of the pool for SDPA. The libraries that ship fused CPU kernels for this (Intel's extension
 for PyTorch, SGLang's and vLLM's CPU kernels) are each built against their own pinned torch and do not load
-beside torch 2.13, so mmserve carries five small kernels of its own (see the C++ file's header).
+beside torch 2.13, so mmserve carries six small kernels of its own (see cpu_ops.cpp's header).
 
 The library is compiled once per machine with torch's extension builder (g++ and ninja, ~1 min) into
 torch's extension cache (`TORCH_EXTENSIONS_DIR`, default `~/.cache/torch_extensions`) and re-used after; the
-build is keyed on the source, so an edited kernel rebuilds. Without a compiler the engine logs why and runs
+build is keyed on the sources and flags, the shared header's digest among the flags, so any edit rebuilds. Without a compiler the engine logs why and runs
 the eager ops (`--disable-cpu-kernels` chooses that path on purpose).
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import os
 from pathlib import Path
@@ -22,7 +23,9 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.cpp"
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = [CSRC / "cpu_ops.cpp", CSRC / "decode_attention.cpp"]
+HEADER = CSRC / "cpu_common.h"  # torch keys its build cache on the sources and flags, not on included headers
 # -O3 and the host's vector ISA (the library is built on the machine that runs it); no fused multiply-add
 # where the eager ops round twice (-ffp-contract=off); OpenMP for at::parallel_for and `omp simd` loops.
 CFLAGS = [
@@ -49,6 +52,11 @@ class CpuKernels:
         self.store_kv_ = ops.store_kv_
 
 
+def header_digest() -> str:
+    """A digest of the shared header, passed as a define so that editing it alone rebuilds the library."""
+    return hashlib.sha256(HEADER.read_bytes()).hexdigest()[:16]
+
+
 @functools.cache  # one build and load per process: the ops live in torch's global registry
 def load_cpu_kernels() -> CpuKernels | None:
     """The kernels, building them if this machine has not yet; None (with the reason logged) if they cannot be
@@ -58,8 +66,8 @@ def load_cpu_kernels() -> CpuKernels | None:
 
         load(
             name="mmserve_cpu_ops",
-            sources=[str(SOURCE)],
-            extra_cflags=CFLAGS,
+            sources=[str(s) for s in SOURCES],
+            extra_cflags=[*CFLAGS, f"-DMMSERVE_HEADER_DIGEST={header_digest()}"],
             extra_ldflags=["-fopenmp"],
             is_python_module=False,
             verbose=os.environ.get("MMSERVE_KERNELS_VERBOSE") == "1",
@@ -85,4 +93,4 @@ if __name__ == "__main__":  # `python -m mmserve.engine.cpu_kernels`: build now 
     logging.basicConfig(level=logging.INFO)
     if load_cpu_kernels() is None:
         raise SystemExit("mmserve: the CPU kernels did not build (the reason is above)")
-    print(f"mmserve CPU kernels ready ({SOURCE.name}, torch {torch.__version__})")
+    print(f"mmserve CPU kernels ready ({', '.join(s.name for s in SOURCES)}, torch {torch.__version__})")
