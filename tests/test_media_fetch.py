@@ -42,13 +42,15 @@ BIG_BODY_BYTES = 1 << 20
 @pytest.fixture(scope="module")
 def server(png: bytes) -> Iterator[mh.MediaHost]:
     with mh.MediaHost() as host:
-        host.routes.update({
-            "/img.png": lambda h: mh.send(h, png, content_type="image/png; charset=binary"),
-            "/big-declared": lambda h: mh.send(h, b"x" * 1000, declared=BIG_BODY_BYTES),
-            "/big-stream": lambda h: mh.send(h, b"x" * BIG_BODY_BYTES, length=False),
-            "/slow": mh.send_slowly,
-            "/redirect": lambda h: mh.redirect(h, "/img.png"),
-        })  # fmt: skip
+        host.routes.update(
+            {
+                "/img.png": lambda h: mh.send(h, png, content_type="image/png; charset=binary"),
+                "/big-declared": lambda h: mh.send(h, b"x" * 1000, declared=BIG_BODY_BYTES),
+                "/big-stream": lambda h: mh.send(h, b"x" * BIG_BODY_BYTES, length=False),
+                "/slow": mh.send_slowly,
+                "/redirect": lambda h: mh.redirect(h, "/img.png"),
+            }
+        )
         yield host
 
 

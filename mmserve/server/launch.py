@@ -40,11 +40,17 @@ def build_dispatcher(
     # Two attempts per part (first encoder, one retry) must fit well inside the engine's deadline.
     secret = cluster_auth.from_config(server_cfg.cluster_secret)
     routes = ReplyRoutes(ready.embedding_endpoints, server_cfg.encoder_transport, frozenset(local_urls))
-    return Dispatcher(registry, make_policy(server_cfg.encoder_routing), client, routes,
-                      ready.has_tower, attempt_timeout_s=engine_cfg.encode_timeout_s / 3,
-                      headers=secret.headers if secret else None,
-                      min_items=server_cfg.encoder_dispatch_min_items,
-                      part_per_item=engine_cfg.encode_prefill_overlap)  # fmt: skip
+    return Dispatcher(
+        registry,
+        make_policy(server_cfg.encoder_routing),
+        client,
+        routes,
+        ready.has_tower,
+        attempt_timeout_s=engine_cfg.encode_timeout_s / 3,
+        headers=secret.headers if secret else None,
+        min_items=server_cfg.encoder_dispatch_min_items,
+        part_per_item=engine_cfg.encode_prefill_overlap,
+    )
 
 
 def _is_loopback(host: str) -> bool:
