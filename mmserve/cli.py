@@ -18,6 +18,7 @@ from mmserve.cli_args import (
     add_cluster_args,
     add_embedding_store_args,
     add_engine_args,
+    add_fp32_gemm_arg,
     add_media_args,
     add_model_arg,
     embedding_store_config_from_args,
@@ -164,6 +165,7 @@ def _encoder(args: argparse.Namespace) -> int:
         max_pending=args.max_pending,
         embedding_cache_mb=args.embedding_cache_mb,
         pack_weights=not args.disable_weight_packing,
+        fp32_gemm=args.fp32_gemm,
         register_urls=tuple(args.register_url or ()),
         register_interval_s=args.register_interval_s,
         shm_pool_mb=args.shm_pool_mb,
@@ -314,6 +316,7 @@ def add_encoder_args(p: argparse.ArgumentParser) -> None:
         help="keep the tower's linear weights in PyTorch's layout (default on a CPU in bf16/fp16: packed once "
         "into oneDNN's, same outputs, faster)",
     )
+    add_fp32_gemm_arg(p)
     p.add_argument("--register-url", nargs="*", default=None, help="language servers to register with")
     p.add_argument("--register-interval-s", type=float, default=5.0, help="registration heartbeat period")
     p.add_argument("--advertise-url", default=None, help="URL servers use to reach this encoder")

@@ -86,6 +86,7 @@ def engine_config_from_args(args: argparse.Namespace):
         disable_prefix_cache=args.disable_prefix_cache,
         encode_prefill_overlap=not args.disable_encode_prefill_overlap,
         pack_weights=not args.disable_weight_packing,
+        fp32_gemm=args.fp32_gemm,
         fuse_layers=not args.disable_layer_fusion,
         cpu_kernels=not args.disable_cpu_kernels,
         embedding_cache_mb=args.embedding_cache_mb,
@@ -252,6 +253,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="keep linear weights in PyTorch's layout (default on a CPU in bf16/fp16: packed once into "
         "oneDNN's, which gives the same outputs faster)",
     )
+    add_fp32_gemm_arg(p)
     p.add_argument(
         "--disable-layer-fusion",
         action="store_true",
@@ -278,3 +280,16 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="per-request limit on model-input pixels over all images and video frames",
     )
     add_media_args(p)
+
+
+def add_fp32_gemm_arg(p: argparse.ArgumentParser) -> None:
+    from mmserve.config import FP32_GEMMS
+
+    p.add_argument(
+        "--fp32-gemm",
+        choices=FP32_GEMMS,
+        default="auto",
+        help="fp32 linear layers on a CPU: mkl (PyTorch's own GEMM, what HF runs), onednn (weights packed once "
+        "into oneDNN's layout), auto (default: onednn on x86 CPUs not made by Intel, where MKL is 1.5-3x slower "
+        "for a few rows; mkl on Intel's)",
+    )

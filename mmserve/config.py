@@ -9,6 +9,15 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 
+# fp32's GEMM on a CPU (mmserve.engine.packed_linear): "mkl" is torch's own (F.linear), "onednn" packs the
+# weights as for bf16, "auto" picks by the CPU's maker.
+FP32_GEMMS = ("auto", "mkl", "onednn")
+
+
+def check_fp32_gemm(value: str) -> None:
+    if value not in FP32_GEMMS:
+        raise ValueError(f"fp32_gemm must be one of {', '.join(FP32_GEMMS)}, not {value!r}")
+
 
 @dataclass(frozen=True)
 class MediaConfig:
@@ -142,6 +151,7 @@ class EngineConfig:
     encode_prefill_overlap: bool = True
     # bf16/fp16 on a CPU: linear weights packed once into oneDNN's layout (mmserve.engine.packed_linear)
     pack_weights: bool = True
+    fp32_gemm: str = "auto"  # fp32 on a CPU: "mkl", "onednn" (packed), or auto (oneDNN on non-Intel x86)
     # Qwen2-shaped decoder layers run as fused layers with fewer ops (mmserve.engine.fused_layers)
     fuse_layers: bool = True
     # On a CPU: norms, RoPE and decode attention in mmserve's own kernels (mmserve.engine.cpu_kernels)
@@ -168,6 +178,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.disaggregation_mode not in ("null", "prefill", "decode"):
             raise ValueError("disaggregation_mode must be null, prefill or decode")
+        check_fp32_gemm(self.fp32_gemm)
         if self.kv_transfer_timeout_s <= 0:
             raise ValueError("kv_transfer_timeout_s must be > 0")
         if self.max_num_batched_tokens < 1:
@@ -264,6 +275,7 @@ class EncoderConfig:
     max_pending: int = 64  # jobs queued or running; more get 503
     embedding_cache_mb: float = 1024.0
     pack_weights: bool = True  # bf16/fp16 on a CPU: the tower's linear weights in oneDNN's layout
+    fp32_gemm: str = "auto"  # fp32 on a CPU: "mkl", "onednn" (packed), or auto (mmserve.engine.packed_linear)
     send_timeout_s: float = 5.0  # pushing a part to an engine
     shm_pool_mb: float = 256.0  # shared-memory pool per engine this encoder sends to (shm://)
     mooncake_pool_mb: float = 256.0  # staging pool registered with Mooncake's transfer engine (mooncake://)
@@ -274,6 +286,9 @@ class EncoderConfig:
     media: MediaConfig = MediaConfig()
     cluster_secret: str | None = field(default=None, repr=False)  # see mmserve.transport.cluster_auth
     embedding_store: EmbeddingStoreConfig | None = None  # global embedding store (after the cache)
+
+    def __post_init__(self) -> None:
+        check_fp32_gemm(self.fp32_gemm)
 
     @property
     def url(self) -> str:

@@ -97,6 +97,7 @@ class LLM:
                 cfg.embedding_cache_mb,
                 cfg.media,
                 pack_weights=cfg.pack_weights,
+                fp32_gemm=cfg.fp32_gemm,
             )
         )
         self.tokenizer = load_tokenizer(cfg.model)

@@ -21,6 +21,9 @@ def test_bench_engine_reports_the_decode_step_against_its_gemm_floor(tiny_qwen2_
         str(out),
         "--hf-layers",
         "--eager-ops",
+        "--fp32-gemm",
+        "onednn",
+        "--mkl-gemm",
     ]
     done = run_cli("bench", "engine", "--model", tiny_qwen2_vl, *args)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -28,10 +31,12 @@ def test_bench_engine_reports_the_decode_step_against_its_gemm_floor(tiny_qwen2_
     result = json.loads(out.read_text())
     assert result["parameters"]["concurrency"] == [1, 3] and result["parameters"]["dtype"] == "float32"
     # --hf-layers: each engine beside the same engine on transformers' layer code (--disable-layer-fusion);
-    # --eager-ops: beside the same engine on PyTorch ops instead of the CPU kernels (--disable-cpu-kernels)
-    variants = ("", " hf-layers", " eager-ops")
+    # --eager-ops: beside the same engine on PyTorch ops instead of the CPU kernels (--disable-cpu-kernels);
+    # --mkl-gemm: beside the same engine with MKL's fp32 GEMMs (--fp32-gemm mkl; the others: oneDNN's)
+    variants = ("", " hf-layers", " eager-ops", " mkl-gemm")
     assert set(result["summary"]) == {"hf"} | {f"engine c={c}{v}" for c in (1, 3) for v in variants}
-    assert "| engine c=3 hf-layers |" in done.stdout and "| engine c=3 eager-ops |" in done.stdout
+    assert "| engine c=3 hf-layers |" in done.stdout and "| engine c=3 mkl-gemm |" in done.stdout
+    assert result["parameters"]["fp32_gemm"] == "onednn" and result["parameters"]["mkl_gemm"]
     assert result["summary"]["hf"]["output_vs_hf"] == 1.0
     (run,) = result["rounds"]["engine c=3"]
     assert run["output_tokens"] == 3 * 8  # at least `concurrency` requests, whatever --num-requests says
@@ -43,4 +48,4 @@ def test_bench_engine_reports_the_decode_step_against_its_gemm_floor(tiny_qwen2_
     assert [run["decode_step"] for run in result["rounds"]["hf"]] == [None, None]
     # HF's two requests bracket the engine's runs (the machine drifts): one before, one after
     order = [line.split()[2] for line in done.stdout.splitlines() if line.startswith("round 1 ")]
-    assert order == ["hf", *["engine"] * 6, "hf"], done.stdout
+    assert order == ["hf", *["engine"] * 8, "hf"], done.stdout

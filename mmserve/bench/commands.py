@@ -152,6 +152,8 @@ def _engine(args: argparse.Namespace) -> int:
         args.kv_cache_mb,
         args.hf_layers,
         args.eager_ops,
+        args.fp32_gemm,
+        args.mkl_gemm,
     )
     print(engine_bench.report(results))
     print()
@@ -266,7 +268,7 @@ def _add_run_parser(bench) -> argparse.ArgumentParser:
 
 
 def add_bench_parser(sub) -> None:
-    from mmserve.cli_args import add_model_arg
+    from mmserve.cli_args import add_fp32_gemm_arg, add_model_arg
 
     bench_parser = sub.add_parser(
         "bench", help="performance, measured side by side (default subcommand: run)"
@@ -324,6 +326,12 @@ def add_bench_parser(sub) -> None:
         action="store_true",
         help="also run each engine with PyTorch ops instead of mmserve's CPU kernels (--disable-cpu-kernels), "
         "side by side (every engine is held at once)",
+    )
+    add_fp32_gemm_arg(p)
+    p.add_argument(
+        "--mkl-gemm",
+        action="store_true",
+        help="also run each engine with its fp32 GEMMs in MKL (--fp32-gemm mkl), side by side",
     )
     p.add_argument("--json", default=None, help="write every figure (both tables, per round) here")
     p.set_defaults(func=_engine)

@@ -144,16 +144,21 @@ def run(
     kv_cache_mb: float,
     hf_layers: bool = False,
     eager_ops: bool = False,
+    fp32_gemm: str = "auto",
+    mkl_gemm: bool = False,
 ) -> dict[str, list[RunResult]]:
-    """Beside each engine, in the same rounds: with `hf_layers` the same engine running transformers' layer
-    code instead of its fused layers (`--disable-layer-fusion`); with `eager_ops` the same engine running
-    PyTorch ops instead of mmserve's CPU kernels (`--disable-cpu-kernels`)."""
+    """Every engine with `fp32_gemm` (`--fp32-gemm`), and beside each, in the same rounds: with `hf_layers` the
+    same engine running transformers' layer code instead of its fused layers (`--disable-layer-fusion`); with
+    `eager_ops` the same engine running PyTorch ops instead of mmserve's CPU kernels (`--disable-cpu-kernels`);
+    with `mkl_gemm` the same engine with its fp32 GEMMs in MKL (`--fp32-gemm mkl`)."""
     from mmserve.llm import LLM
 
     ref = HFReference(model_dir, dtype=dtype)
-    variants = [("", {})]  # name suffix, LLM options
-    variants += [(" hf-layers", {"fuse_layers": False})] if hf_layers else []
-    variants += [(" eager-ops", {"cpu_kernels": False})] if eager_ops else []
+    base = {"fp32_gemm": fp32_gemm}
+    variants = [("", base)]  # name suffix, LLM options
+    variants += [(" hf-layers", {**base, "fuse_layers": False})] if hf_layers else []
+    variants += [(" eager-ops", {**base, "cpu_kernels": False})] if eager_ops else []
+    variants += [(" mkl-gemm", {"fp32_gemm": "mkl"})] if mkl_gemm else []
     engines = {
         f"engine c={c}{suffix}": (
             c,

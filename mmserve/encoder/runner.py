@@ -188,13 +188,15 @@ def build_encoder(
     model_path: str | None = None,
     secret: ClusterSecret | None = None,
     pack_weights: bool = True,
+    fp32_gemm: str = "auto",
 ) -> MultimodalEncoder:
     """Load the family's tower (no language-model weights) and wrap it in a batcher, a cache and media
     handling; with `store_cfg`, a global embedding store tier too (entries of the checkpoint in
     `model_path`, signed with `secret` when given). The store connects in the background. With
-    `pack_weights`, a bf16/fp16 tower on a CPU has its linear weights packed (mmserve.engine.packed_linear)."""
+    `pack_weights`, a bf16/fp16 tower on a CPU has its linear weights packed, an fp32 one where `fp32_gemm` says
+    (mmserve.engine.packed_linear)."""
     tower = family.load_tower(parse_dtype(dtype)).to(device)
-    if pack_weights and can_pack(parse_dtype(dtype), torch.device(device)):
+    if pack_weights and can_pack(parse_dtype(dtype), torch.device(device), fp32_gemm):
         pack_linears(tower)
 
     def encode(batch):

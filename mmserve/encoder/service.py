@@ -87,6 +87,7 @@ class EncoderService:
             model_path=cfg.model,
             secret=self.secret,
             pack_weights=cfg.pack_weights,
+            fp32_gemm=cfg.fp32_gemm,
         )
         self.batcher, self.cache = self.encoder.batcher, self.encoder.cache
         transfer = TransferConfig(cfg.send_timeout_s, cfg.shm_pool_mb, cfg.mooncake_pool_mb, cfg.host)

@@ -104,6 +104,7 @@ class Engine:
             cfg.pack_weights,
             cfg.fuse_layers,
             cfg.cpu_kernels,
+            cfg.fp32_gemm,
         )
         self.pool = build_kv_pool(cfg, self.model_config)
         # A decode server never prefills, so a prefix cache would only hold slots (mmserve.disagg).

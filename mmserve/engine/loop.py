@@ -66,6 +66,7 @@ class EngineLoop:
                 model_path=cfg.model,
                 secret=secret,
                 pack_weights=cfg.pack_weights,
+                fp32_gemm=cfg.fp32_gemm,
             )
         )
         transfer = TransferConfig(mooncake_pool_mb=cfg.mooncake_pool_mb, host=cfg.embedding_host)

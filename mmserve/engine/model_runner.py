@@ -60,6 +60,7 @@ class ModelRunner:
         pack_weights: bool = True,
         fuse_layers: bool = True,
         cpu_kernels: bool = True,
+        fp32_gemm: str = "auto",
     ) -> None:
         lm = family.load_language_model(parse_dtype(dtype), register_attention())
         self.family = family
@@ -71,8 +72,8 @@ class ModelRunner:
         self.lm_head = lm.lm_head.to(self.device)
         self.fused_layers = fuse_decoder_layers(self.language_model) if fuse_layers else 0
         self.kernels = kernels_for(self.device, self.dtype, cpu_kernels)  # None: the eager ops
-        self.packed = pack_weights and can_pack(self.dtype, self.device)
-        if self.packed:  # bitwise the same outputs, without re-ordering every weight on every call
+        self.packed = pack_weights and can_pack(self.dtype, self.device, fp32_gemm)
+        if self.packed:  # oneDNN's layout once, not on every call (bf16: bitwise the same outputs)
             pack_linears(self.language_model)
             self.lm_head = PackedLinear(self.lm_head)
 

@@ -42,6 +42,9 @@ class EncoderWorkers:
                    "--embedding-cache-mb", str(engine_cfg.embedding_cache_mb),
                    "--max-media-mb", str(media.max_media_bytes / 2**20),
                    "--media-fetch-timeout-s", str(media.fetch_timeout_s)]  # fmt: skip
+            cmd += ["--fp32-gemm", engine_cfg.fp32_gemm]  # the towers' GEMMs as the server's own tower's
+            if not engine_cfg.pack_weights:
+                cmd.append("--disable-weight-packing")
             if media.allowed_local_media_path:
                 cmd += ["--allowed-local-media-path", media.allowed_local_media_path]
             if media.allowed_media_domains:
