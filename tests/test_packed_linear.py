@@ -11,7 +11,8 @@ import torch
 
 from mmserve import SamplingParams
 from mmserve.cli_args import engine_config_from_args
-from mmserve.engine.packed_linear import PackedLinear, can_pack, cpu_vendor, fp32_in_onednn
+from mmserve.cpu_info import cpu_vendor
+from mmserve.engine.packed_linear import PackedLinear, can_pack, fp32_in_onednn
 from tests.engine_helpers import RecordingSampler
 from tests.families import FAMILIES
 from tests.test_engine_parity import MAX_NEW, assert_idle_and_clean, make_llm, make_oracle, run_and_compare

@@ -7,7 +7,10 @@ beside torch 2.13, so mmserve carries six small kernels of its own (see cpu_ops.
 
 The library is compiled once per machine with torch's extension builder (g++ and ninja, ~1 min) into
 torch's extension cache (`TORCH_EXTENSIONS_DIR`, default `~/.cache/torch_extensions`) and re-used after; the
-build is keyed on the sources and flags, the shared header's digest among the flags, so any edit rebuilds. Without a compiler the engine logs why and runs
+build is keyed on the sources and flags, the shared header's digest among the flags, so any edit rebuilds.
+It is compiled for the host's instruction sets (-march=native), so its name carries the CPU's signature
+(`cpu_info.cpu_signature`): machines of different CPUs that share a home directory each build and load their
+own, and none loads a library with instructions its CPU lacks. Without a compiler the engine logs why and runs
 the eager ops (`--disable-cpu-kernels` chooses that path on purpose).
 """
 
@@ -20,6 +23,8 @@ import os
 from pathlib import Path
 
 import torch
+
+from mmserve.cpu_info import cpu_signature
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +57,11 @@ class CpuKernels:
         self.store_kv_ = ops.store_kv_
 
 
+def library_name() -> str:
+    """The library's name in torch's extension cache: one per CPU kind (the module docstring says why)."""
+    return f"mmserve_cpu_ops_{cpu_signature()}"
+
+
 def header_digest() -> str:
     """A digest of the shared header, passed as a define so that editing it alone rebuilds the library."""
     return hashlib.sha256(HEADER.read_bytes()).hexdigest()[:16]
@@ -65,7 +75,7 @@ def load_cpu_kernels() -> CpuKernels | None:
         from torch.utils.cpp_extension import load
 
         load(
-            name="mmserve_cpu_ops",
+            name=library_name(),
             sources=[str(s) for s in SOURCES],
             extra_cflags=[*CFLAGS, f"-DMMSERVE_HEADER_DIGEST={header_digest()}"],
             extra_ldflags=["-fopenmp"],

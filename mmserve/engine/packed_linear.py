@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from mmserve.config import check_fp32_gemm
+from mmserve.cpu_info import cpu_vendor
 
 # oneDNN picks its blocking for this many rows; measured best across 1-300 rows (decode to prefill chunks).
 BATCH_HINT = 64
@@ -42,19 +43,6 @@ class PackedLinear(torch.nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, packed {self.dtype}"
-
-
-def cpu_vendor() -> str:
-    """This x86 CPU's vendor string (GenuineIntel, AuthenticAMD, ...); "" where /proc/cpuinfo names none (another
-    architecture, another OS)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("vendor_id"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return ""
 
 
 def fp32_in_onednn(fp32_gemm: str, vendor: str | None = None) -> bool:

@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import os
 
+from mmserve.cpu_info import cpu_flags
+
 # Accepted spellings -> the canonical name that configs carry (and torch.<name> is).
 DTYPE_NAMES = {
     **{"float32": "float32", "fp32": "float32"},
@@ -71,14 +73,9 @@ def cpu_has_bf16() -> bool:
     """Whether this CPU computes bf16 natively (x86 AVX512-BF16 or AMX-BF16, Arm BF16). Without it torch
     converts around every bf16 matmul, slower than float32. torch.backends.cpu.get_cpu_capability() names
     only the vector width, so the kernel's flags are read."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith(("flags", "Features")):  # x86, Arm; every core lists the same
-                    return bool({"avx512_bf16", "amx_bf16", "bf16"} & set(line.split(":", 1)[-1].split()))
-    except OSError:
-        pass
-    return False  # not Linux, or no flags line: float32 is always correct
+    return bool(
+        {"avx512_bf16", "amx_bf16", "bf16"} & cpu_flags()
+    )  # none read (not Linux): float32, always right
 
 
 def resolve_model_path(path_or_id: str) -> str:
