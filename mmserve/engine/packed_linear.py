@@ -4,11 +4,11 @@ A plain bf16 `F.linear` on the CPU goes to oneDNN too, but hands it the weight i
 so every call re-orders the whole weight into oneDNN's blocked layout before it multiplies: for a decode step,
 which streams every weight of the model once, that is a second pass over memory. Packing each weight once at
 load time (`torch.ops.mkldnn._reorder_linear_weight`, what Inductor's CPU freezing pass does) removes it.
-Measured on a Xeon with AMX (bf16, the 169 linear layers of a Qwen2-0.5B-sized language model, `docs/benchmarks.md` 7f):
-1 row 84-116 ms against 119-163 ms, 16 rows 80-113 against 110-154, 64 rows 117-166 against 214-302, 300
+Measured on a Xeon with AMX (bf16, the 169 linear layers of a Qwen2-0.5B-sized language model, benchmarks
+7f): 1 row 84-116 ms against 119-163 ms, 16 rows 80-113 against 110-154, 64 rows 117-166 against 214-302, 300
 rows 703-810 against 725-977; the results are bitwise equal to `F.linear`'s, so HF parity is unchanged.
 fp32 (`--fp32-gemm`): on Intel CPUs MKL stays, the GEMM HF's own code runs (bitwise HF), which oneDNN's packed
-one is not and which was faster at one row on the Xeon measured here. On x86 CPUs of other makers MKL takes a
+one is not and which was faster at one row on that Xeon. On x86 CPUs of other makers MKL takes a
 generic path for a few rows: on an AMD EPYC (AVX2) a 9728 x 896 fp32 GEMM took 16.7-18.2 ms at 16 rows in MKL
 against 5.4 ms packed in oneDNN, 2.8 against 1.8 ms at one row, 281 against 251 ms at 1,024 (docs/benchmarks.md
 7j). There `auto` packs fp32 too; the outputs then differ from MKL's in the last bits, as a different row count

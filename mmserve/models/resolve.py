@@ -73,9 +73,8 @@ def cpu_has_bf16() -> bool:
     """Whether this CPU computes bf16 natively (x86 AVX512-BF16 or AMX-BF16, Arm BF16). Without it torch
     converts around every bf16 matmul, slower than float32. torch.backends.cpu.get_cpu_capability() names
     only the vector width, so the kernel's flags are read."""
-    return bool(
-        {"avx512_bf16", "amx_bf16", "bf16"} & cpu_flags()
-    )  # none read (not Linux): float32, always right
+    # No flags read (not Linux): float32, which is always right.
+    return bool({"avx512_bf16", "amx_bf16", "bf16"} & cpu_flags())
 
 
 def resolve_model_path(path_or_id: str) -> str:
