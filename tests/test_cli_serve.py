@@ -18,7 +18,7 @@ import pytest
 
 from mmserve.cli import build_parser, engine_config_from_args, main, server_config_from_args
 from mmserve.models import loader, resolve
-from mmserve.server.encoder_workers import free_port
+from mmserve.server.encoder_workers import encoder_command, free_port
 from mmserve.testing.probes import child_pids
 from mmserve.testing.server_process import still_running
 
@@ -49,6 +49,19 @@ def test_served_model_names_fill_the_config():
     assert cfg.served_model_names == ("a", "b", "c")
     cfg = server_config_from_args(parse("serve", "org/model"))
     assert (cfg.served_model_name, cfg.served_model_aliases) == ("org/model", ())
+
+
+def test_encoder_workers_run_with_the_servers_gemm_and_packing(tiny_qwen2_vl):
+    flags = ("--fp32-gemm", "onednn", "--disable-weight-packing", "--embedding-cache-mb", "64")
+    cmd = encoder_command(engine_config_from_args(parse("serve", tiny_qwen2_vl, *flags)), 9123, "warning")
+    assert cmd[:3] == [sys.executable, "-m", "mmserve.cli"]
+    args = parse(*cmd[3:])  # what `serve --encoder-workers N` starts, as `mmserve encoder` reads it
+    assert args.command == "encoder" and (args.port, args.embedding_cache_mb) == (9123, 64)
+    assert args.fp32_gemm == "onednn" and args.disable_weight_packing
+    default = parse(
+        *encoder_command(engine_config_from_args(parse("serve", tiny_qwen2_vl)), 9123, "info")[3:]
+    )
+    assert default.fp32_gemm == "auto" and not default.disable_weight_packing
 
 
 def _parsers(parser: argparse.ArgumentParser):

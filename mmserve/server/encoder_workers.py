@@ -28,43 +28,50 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def encoder_command(engine_cfg: EngineConfig, port: int, log_level: str) -> list[str]:
+    """The `mmserve encoder` command line of one worker: the server's model, dtype, device, GEMM and packing
+    choices, cache size and media policy, on `port` of 127.0.0.1."""
+    media = engine_cfg.media
+    cmd = [sys.executable, "-m", "mmserve.cli", "encoder", "--model", engine_cfg.model, "--port", str(port),
+           "--dtype", engine_cfg.dtype, "--device", engine_cfg.device, "--log-level", log_level,
+           "--embedding-cache-mb", str(engine_cfg.embedding_cache_mb),
+           "--max-media-mb", str(media.max_media_bytes / 2**20),
+           "--media-fetch-timeout-s", str(media.fetch_timeout_s)]  # fmt: skip
+    cmd += ["--fp32-gemm", engine_cfg.fp32_gemm]  # the towers' GEMMs as the server's own tower's
+    if not engine_cfg.pack_weights:
+        cmd.append("--disable-weight-packing")
+    if media.allowed_local_media_path:
+        cmd += ["--allowed-local-media-path", media.allowed_local_media_path]
+    if media.allowed_media_domains:
+        cmd += ["--allowed-media-domains", *media.allowed_media_domains]
+    if media.allow_private_urls:
+        cmd.append("--allow-private-media-urls")
+    if media.allowed_media_networks:
+        cmd += ["--allowed-media-networks", *media.allowed_media_networks]
+    if media.media_host_overrides:
+        cmd += ["--media-resolve", *(f"{host}={ip}" for host, ip in media.media_host_overrides)]
+    if engine_cfg.mm_processor_kwargs:
+        import json
+
+        cmd += ["--mm-processor-kwargs", json.dumps(dict(engine_cfg.mm_processor_kwargs))]
+    if (store := engine_cfg.embedding_store) is not None:
+        cmd += ["--embedding-store", store.url, "--embedding-store-local-host", store.local_host,
+                "--embedding-store-segment-mb", str(store.segment_mb),
+                "--embedding-store-buffer-mb", str(store.buffer_mb),
+                "--embedding-store-timeout-s", str(store.timeout_s),
+                "--embedding-store-retry-s", str(store.retry_s)]  # fmt: skip
+    return cmd
+
+
 class EncoderWorkers:
     def __init__(
         self, engine_cfg: EngineConfig, count: int, log_level: str, cluster_secret: str | None = None
     ) -> None:
         self.procs: list[subprocess.Popen] = []
         self.urls: list[str] = []
-        media = engine_cfg.media
         for _ in range(count):
             port = free_port()
-            cmd = [sys.executable, "-m", "mmserve.cli", "encoder", "--model", engine_cfg.model, "--port", str(port),
-                   "--dtype", engine_cfg.dtype, "--device", engine_cfg.device, "--log-level", log_level,
-                   "--embedding-cache-mb", str(engine_cfg.embedding_cache_mb),
-                   "--max-media-mb", str(media.max_media_bytes / 2**20),
-                   "--media-fetch-timeout-s", str(media.fetch_timeout_s)]  # fmt: skip
-            cmd += ["--fp32-gemm", engine_cfg.fp32_gemm]  # the towers' GEMMs as the server's own tower's
-            if not engine_cfg.pack_weights:
-                cmd.append("--disable-weight-packing")
-            if media.allowed_local_media_path:
-                cmd += ["--allowed-local-media-path", media.allowed_local_media_path]
-            if media.allowed_media_domains:
-                cmd += ["--allowed-media-domains", *media.allowed_media_domains]
-            if media.allow_private_urls:
-                cmd.append("--allow-private-media-urls")
-            if media.allowed_media_networks:
-                cmd += ["--allowed-media-networks", *media.allowed_media_networks]
-            if media.media_host_overrides:
-                cmd += ["--media-resolve", *(f"{host}={ip}" for host, ip in media.media_host_overrides)]
-            if engine_cfg.mm_processor_kwargs:
-                import json
-
-                cmd += ["--mm-processor-kwargs", json.dumps(dict(engine_cfg.mm_processor_kwargs))]
-            if (store := engine_cfg.embedding_store) is not None:
-                cmd += ["--embedding-store", store.url, "--embedding-store-local-host", store.local_host,
-                        "--embedding-store-segment-mb", str(store.segment_mb),
-                        "--embedding-store-buffer-mb", str(store.buffer_mb),
-                        "--embedding-store-timeout-s", str(store.timeout_s),
-                        "--embedding-store-retry-s", str(store.retry_s)]  # fmt: skip
+            cmd = encoder_command(engine_cfg, port, log_level)
             self.procs.append(subprocess.Popen(cmd, env=child_of_this_process(child_env(cluster_secret))))
             self.urls.append(f"http://127.0.0.1:{port}")
 
