@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import shutil
 import signal
 import socket
@@ -114,7 +115,7 @@ def checkpoint(tmp_path, name: str, config: dict) -> str:
     return str(path)
 
 
-def test_dtype_auto_follows_the_checkpoint_and_the_cpu(tmp_path, monkeypatch):
+def test_dtype_auto_follows_the_checkpoint_and_the_cpu(tmp_path, monkeypatch, caplog):
     bf16 = checkpoint(tmp_path, "bf16", {"torch_dtype": "bfloat16"})
     fp16_text = checkpoint(tmp_path, "fp16", {"text_config": {"dtype": "float16"}})
     fp32 = checkpoint(tmp_path, "fp32", {"dtype": "float32"})
@@ -130,7 +131,15 @@ def test_dtype_auto_follows_the_checkpoint_and_the_cpu(tmp_path, monkeypatch):
     assert engine_config_from_args(parse("serve", bf16, "--dtype", "fp32")).dtype == "float32"
     monkeypatch.setattr(resolve, "cpu_has_bf16", lambda: False)
     assert resolve.resolve_dtype(bf16, "auto") == "float32"
-    assert resolve.resolve_dtype(bf16, "bf16") == "bfloat16"  # an explicit choice is kept
+    with caplog.at_level(logging.WARNING, logger="mmserve.models.resolve"):
+        assert resolve.resolve_dtype(bf16, "bf16") == "bfloat16"  # an explicit choice is kept, with a warning
+    assert "bfloat16 on a CPU without native bf16" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="mmserve.models.resolve"):
+        resolve.resolve_dtype(bf16, "bf16", "cuda")  # a GPU's own affair
+        monkeypatch.setattr(resolve, "cpu_has_bf16", lambda: True)
+        resolve.resolve_dtype(bf16, "bf16")
+    assert not caplog.text
     with pytest.raises(ValueError, match="resolve"):
         loader.parse_dtype("auto")  # nothing downstream may guess
     with pytest.raises(ValueError, match="unknown dtype"):

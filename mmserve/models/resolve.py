@@ -8,9 +8,12 @@ torch, instead of one after the other (~4 s of each start-up on two cores).
 from __future__ import annotations
 
 import json
+import logging
 import os
 
 from mmserve.cpu_info import cpu_flags
+
+log = logging.getLogger(__name__)
 
 # Accepted spellings -> the canonical name that configs carry (and torch.<name> is).
 DTYPE_NAMES = {
@@ -36,9 +39,15 @@ def resolve_dtype(model_path: str, dtype: str, device: str = "cpu") -> str:
     in `text_config`), float32 when it names none or float32. A half-precision checkpoint runs in bfloat16 on
     a CPU with native bf16 (float16 there has no fast kernels) and in float32 on one without; on a GPU in its
     own dtype, bfloat16 falling back to float16 where the GPU lacks bf16. Any other name is checked and
-    spelled out."""
+    spelled out; an explicit bfloat16 on a CPU without native bf16 is kept, with a warning."""
     if dtype != "auto":
-        return dtype_name(dtype)
+        name = dtype_name(dtype)
+        if name == "bfloat16" and device.split(":", 1)[0] == "cpu" and not cpu_has_bf16():
+            log.warning(
+                "bfloat16 on a CPU without native bf16 (AVX512-BF16 / AMX): its matmuls take a slow fallback, "
+                "several times slower than float32 (what --dtype auto picks on this CPU)"
+            )
+        return name
     wanted = checkpoint_dtype(model_path)
     if wanted in (None, "float32"):
         return "float32"
