@@ -32,11 +32,17 @@ def encoder_command(engine_cfg: EngineConfig, port: int, log_level: str) -> list
     """The `mmserve encoder` command line of one worker: the server's model, dtype, device, GEMM and packing
     choices, cache size and media policy, on `port` of 127.0.0.1."""
     media = engine_cfg.media
-    cmd = [sys.executable, "-m", "mmserve.cli", "encoder", "--model", engine_cfg.model, "--port", str(port),
-           "--dtype", engine_cfg.dtype, "--device", engine_cfg.device, "--log-level", log_level,
-           "--embedding-cache-mb", str(engine_cfg.embedding_cache_mb),
-           "--max-media-mb", str(media.max_media_bytes / 2**20),
-           "--media-fetch-timeout-s", str(media.fetch_timeout_s)]  # fmt: skip
+    flags = {
+        "--model": engine_cfg.model,
+        "--port": str(port),
+        "--dtype": engine_cfg.dtype,
+        "--device": engine_cfg.device,
+        "--log-level": log_level,
+        "--embedding-cache-mb": str(engine_cfg.embedding_cache_mb),
+        "--max-media-mb": str(media.max_media_bytes / 2**20),
+        "--media-fetch-timeout-s": str(media.fetch_timeout_s),
+    }
+    cmd = [sys.executable, "-m", "mmserve.cli", "encoder", *(x for pair in flags.items() for x in pair)]
     cmd += ["--fp32-gemm", engine_cfg.fp32_gemm]  # the towers' GEMMs as the server's own tower's
     if not engine_cfg.pack_weights:
         cmd.append("--disable-weight-packing")
@@ -55,11 +61,15 @@ def encoder_command(engine_cfg: EngineConfig, port: int, log_level: str) -> list
 
         cmd += ["--mm-processor-kwargs", json.dumps(dict(engine_cfg.mm_processor_kwargs))]
     if (store := engine_cfg.embedding_store) is not None:
-        cmd += ["--embedding-store", store.url, "--embedding-store-local-host", store.local_host,
-                "--embedding-store-segment-mb", str(store.segment_mb),
-                "--embedding-store-buffer-mb", str(store.buffer_mb),
-                "--embedding-store-timeout-s", str(store.timeout_s),
-                "--embedding-store-retry-s", str(store.retry_s)]  # fmt: skip
+        store_flags = {
+            "--embedding-store": store.url,
+            "--embedding-store-local-host": store.local_host,
+            "--embedding-store-segment-mb": str(store.segment_mb),
+            "--embedding-store-buffer-mb": str(store.buffer_mb),
+            "--embedding-store-timeout-s": str(store.timeout_s),
+            "--embedding-store-retry-s": str(store.retry_s),
+        }
+        cmd += [x for pair in store_flags.items() for x in pair]
     return cmd
 
 
