@@ -28,6 +28,7 @@ import zmq
 
 from mmserve.disagg import kv_messages as k
 from mmserve.engine.kv_pool import KVPool
+from mmserve.omp_pools import release_thread_pool
 from mmserve.transport.cluster_auth import ClusterSecret
 from mmserve.transport.handoff import Handoff
 from mmserve.transport.messages import Failure
@@ -149,6 +150,8 @@ class _Peer:
                         job.request_id, Failure(502, "kv_transfer_failed", f"{type(e).__name__}: {e}")
                     )
                 self.sender.results.put(result)
+                if self.jobs.empty():  # idle: the gather's OpenMP pool would slow the steps (omp_pools.py)
+                    release_thread_pool()
         finally:
             sock.close(0)
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from mmserve.multimodal.items import TowerInput
+from mmserve.omp_pools import release_thread_pool
 
 EncodeFn = Callable[[list[TowerInput]], list[dict[str, torch.Tensor]]]
 
@@ -91,9 +92,11 @@ class TowerBatcher:
             except Exception as e:  # every waiter learns about it; the worker lives on
                 for _, future in batch:
                     future.set_exception(e)
-                continue
-            for (_, future), out in zip(batch, outputs, strict=True):
-                future.set_result(out)
+            else:
+                for (_, future), out in zip(batch, outputs, strict=True):
+                    future.set_result(out)
+            if self._queue.empty():  # idle: its OpenMP pool would slow the engine's steps (omp_pools.py)
+                release_thread_pool()
 
     @torch.no_grad()
     def forward(self, items: list[TowerInput]) -> list[dict[str, torch.Tensor]]:

@@ -34,6 +34,7 @@ from mmserve.models.family import load_family
 from mmserve.multimodal.errors import MediaError
 from mmserve.multimodal.items import Modality
 from mmserve.multimodal.media import MediaRef
+from mmserve.omp_pools import released
 from mmserve.transport import cluster_auth
 from mmserve.transport.channel import PartSenders, SendTimeout, TransferConfig
 from mmserve.transport.cluster_auth import HTTP_HEADER
@@ -99,6 +100,7 @@ class EncoderService:
         self.encoder.close()
         self.sender.close()
 
+    @released  # an executor thread: its OpenMP pool would slow the tower thread's (omp_pools.py)
     def run_job(self, job: EncodeJob, queued_at: float) -> tuple[int, dict[str, Any]]:
         """Encode and push one part (runs on a worker thread). Returns (HTTP status, body)."""
         self.metrics.queue_wait.observe(time.perf_counter() - queued_at)
@@ -147,6 +149,7 @@ class EncoderService:
             return False
         return True
 
+    @released
     def health_probe(self) -> None:
         """A real tiny encode of the family's main modality (bypassing the cache). Raises on failure."""
         self.encoder.health_probe(timeout_s=30)

@@ -28,6 +28,7 @@ from mmserve.multimodal.errors import EncoderUnavailableError, MediaError
 from mmserve.multimodal.items import ItemEmbedding, Modality
 from mmserve.multimodal.media import MediaRef
 from mmserve.multimodal.precomputed import merge, merge_prefix, to_encode
+from mmserve.omp_pools import released
 from mmserve.transport import messages as m
 from mmserve.transport.channel import PartReceiver
 from mmserve.transport.cluster_auth import PartRejected
@@ -156,6 +157,8 @@ class Intake:
             logger.exception("encoding failed for %s", what)
             return Failure(500, "encode_failed", f"encoding failed: {e}")
 
+    # Each worker hands back its OpenMP pool when done: kept, it would slow every decode step (omp_pools.py).
+    @released
     def _encode_request(self, req: m.GenerateReq) -> None:
         timings = EncodeTimings()
         rid = req.request_id
@@ -163,6 +166,7 @@ class Intake:
         result = self._encode(media_inputs(to_encode(req.media), req.cache_salt), timings, rid, on_item)
         self.done.put(_RequestEncoded(rid, result, timings))
 
+    @released
     def _encode_part(self, req: m.GenerateReq, msg: m.LocalEncodeReq) -> None:
         media = media_inputs([to_encode(req.media)[i] for i in msg.item_indices], req.cache_salt)
         result = self._encode(media, EncodeTimings(), f"{msg.request_id} part {msg.part_index}")
