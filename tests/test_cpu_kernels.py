@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from mmserve.cli_args import engine_config_from_args
-from mmserve.engine.attention import DecodeGroup, _decode_attention
+from mmserve.engine.attention import AttentionMetadata, DecodeGroup, SeqAttention, _decode_attention
 from mmserve.engine.cpu_kernels import kernels_for, load_cpu_kernels
 from mmserve.engine.fused_layers import rms_norm
 from tests.families import FAMILIES
@@ -188,3 +188,37 @@ def test_disable_cpu_kernels_flag(tiny_qwen2_vl):
     assert engine_config_from_args(args).cpu_kernels
     args = build_parser().parse_args(["serve", tiny_qwen2_vl, "--disable-cpu-kernels"])
     assert not engine_config_from_args(args).cpu_kernels
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_decode_layer_in_one_call_is_the_layer_op_by_op_bitwise(kernels, tiny_qwen2_vl, dtype):
+    """csrc/decode_layer.cpp against the same layer's kernels called one by one from Python (the path of steps
+    with a prefill), on a real layer of the tiny model (its weights packed where the engine packs them): the
+    same output and the same K/V written to the pool, bit for bit."""
+    llm = make_llm(tiny_qwen2_vl, FAMILIES["qwen2_vl"].mm_kwargs, dtype=dtype)
+    runner = llm.engine.runner
+    text_model, layer = runner.language_model, runner.language_model.layers[1]
+    torch.manual_seed(3)
+    lengths, hidden = [1, 7, 20, 33, 12], text_model.config.hidden_size
+    slots = torch.randperm(200)
+    starts = [sum(lengths[:i]) for i in range(len(lengths))]
+    seqs = [
+        SeqAttention(row, 1, slots[s : s + n], None)
+        for row, (s, n) in enumerate(zip(starts, lengths, strict=True))
+    ]
+    new_slots = torch.stack([seq.kv_slots[-1] for seq in seqs])
+    x = torch.randn(len(lengths), hidden, dtype=runner.dtype)
+    positions = (torch.arange(len(lengths)) + 40)[None, None, :].expand(3, 1, -1)
+    rotary = text_model.rotary_emb(x.unsqueeze(0), positions)
+    pool_shape = (200, layer.num_kv_heads, layer.head_dim)
+    pool = [torch.randn(pool_shape, dtype=runner.dtype) for _ in range(2)]
+    outputs, pools = [], []
+    for run in (layer.decode_in_one_call, layer.layer_ops):
+        k_cache, v_cache = [None, pool[0].clone()], [None, pool[1].clone()]
+        meta = AttentionMetadata.build(k_cache, v_cache, new_slots, seqs, "cpu", kernels)
+        assert meta.decode is not None and not meta.seqs  # a pure decode step
+        outputs.append(run(x, meta, rotary))
+        pools.append((k_cache[1], v_cache[1]))
+    assert torch.equal(outputs[0], outputs[1])
+    assert torch.equal(pools[0][0], pools[1][0]) and torch.equal(pools[0][1], pools[1][1])
+    assert not torch.equal(pools[0][0], pool[0])  # the new K rows were written

@@ -29,7 +29,7 @@ from mmserve.cpu_info import cpu_signature
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = [CSRC / "cpu_ops.cpp", CSRC / "decode_attention.cpp"]
+SOURCES = [CSRC / "cpu_ops.cpp", CSRC / "decode_attention.cpp", CSRC / "decode_layer.cpp"]
 HEADER = CSRC / "cpu_common.h"  # torch keys its build cache on the sources and flags, not on included headers
 # -O3 and the host's vector ISA (the library is built on the machine that runs it); no fused multiply-add
 # where the eager ops round twice (-ffp-contract=off); OpenMP for at::parallel_for and `omp simd` loops.
@@ -55,6 +55,7 @@ class CpuKernels:
         self.silu_mul = ops.silu_mul
         self.decode_attention_ = ops.decode_attention_
         self.store_kv_ = ops.store_kv_
+        self.decode_layer = ops.decode_layer
 
 
 def library_name() -> str:

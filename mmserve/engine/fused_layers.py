@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from mmserve.engine.attention import AttentionMetadata, attend
+from mmserve.engine.packed_linear import PackedLinear
 
 # HF decoder layers of exactly this shape: pre-norm RMSNorm, q/k/v with bias, no q/k norm, a SiLU-gated MLP.
 FUSABLE_LAYERS = ("Qwen2DecoderLayer", "Qwen2VLDecoderLayer", "Qwen2_5_VLDecoderLayer")
@@ -72,8 +73,15 @@ class FusedDecoderLayer(torch.nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, position_embeddings=None, **kwargs) -> torch.Tensor:
         meta: AttentionMetadata = kwargs["mm_attn"]
-        kernels = meta.kernels  # the same sums in one pass each (cpu_kernels.py), or the eager ops
         x = hidden_states[0]  # (T, hidden)
+        if meta.kernels is not None and meta.decode is not None and not meta.seqs:  # a pure decode step
+            return self.decode_in_one_call(x, meta, position_embeddings).unsqueeze(0)
+        return self.layer_ops(x, meta, position_embeddings).unsqueeze(0)
+
+    def layer_ops(self, x: torch.Tensor, meta: AttentionMetadata, position_embeddings) -> torch.Tensor:
+        """The layer op by op over rows x (T, hidden): the CPU kernels where the step carries them, else the
+        eager ops."""
+        kernels = meta.kernels  # the same sums in one pass each (cpu_kernels.py), or the eager ops
         t, heads, kv_heads, dim = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         norm = kernels.rms_norm if kernels is not None else rms_norm
         qkv = self.qkv_proj(norm(x, self.input_norm, self.input_eps))  # (T, (H + 2 Hkv) D)
@@ -96,8 +104,37 @@ class FusedDecoderLayer(torch.nn.Module):
             act = kernels.silu_mul(gate_up)
         else:
             act = F.silu(gate_up[:, : self.intermediate]) * gate_up[:, self.intermediate :]
-        x = x + self.down_proj(act)
-        return x.unsqueeze(0)
+        return x + self.down_proj(act)
+
+    def decode_in_one_call(
+        self, x: torch.Tensor, meta: AttentionMetadata, position_embeddings
+    ) -> torch.Tensor:
+        """The kernel path of `forward` for a step of one-row queries only, as one op (csrc/decode_layer.cpp):
+        the same ops in the same order, without a Python call per op."""
+        linears = (self.qkv_proj, self.o_proj, self.gate_up_proj, self.down_proj)
+        packed = isinstance(self.qkv_proj, PackedLinear)  # pack_linears packs every one or none
+        qkv, o, gate_up, down = (m.packed if packed else m.weight for m in linears)
+        cos, sin = rotary_rows(meta, position_embeddings, x.dtype)
+        group = meta.decode
+        return meta.kernels.decode_layer(
+            x,
+            [self.input_norm, qkv, o, self.post_norm, gate_up, down],
+            [m.bias for m in linears],
+            self.input_eps,
+            self.post_eps,
+            self.num_heads,
+            self.num_kv_heads,
+            packed,
+            cos,
+            sin,
+            meta.k_cache[self.layer_idx],
+            meta.v_cache[self.layer_idx],
+            meta.new_slots,
+            group.row_ids,
+            group.slots,
+            group.lengths,
+            self.scaling,
+        )
 
 
 def rotary_rows(meta: AttentionMetadata, position_embeddings, dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -109,6 +146,18 @@ def rotary_rows(meta: AttentionMetadata, position_embeddings, dtype) -> tuple[to
         signed = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
         meta.rotary = (cos[0].to(dtype).contiguous(), signed[0].to(dtype).contiguous())
     return meta.rotary
+
+
+def decode_step(text_model: torch.nn.Module, inputs: torch.Tensor, position_ids, meta: AttentionMetadata):
+    """(1, T, hidden): what the HF text model's forward returns for a step of fused layers, computed as it
+    computes it (its rotary tables, every layer, the final norm), without what it does besides, per call: its
+    decorators, and a causal mask that the pool attention never reads. For pure decode steps on the CPU
+    kernels, where each layer is one call (`decode_in_one_call`): 0.4-0.5 ms a step at 1 and 16 rows."""
+    position_embeddings = text_model.rotary_emb(inputs, position_ids)
+    hidden = inputs
+    for layer in text_model.layers:
+        hidden = layer(hidden, position_embeddings=position_embeddings, mm_attn=meta)
+    return text_model.norm(hidden)
 
 
 def fuse_decoder_layers(text_model: torch.nn.Module) -> int:

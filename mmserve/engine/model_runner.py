@@ -18,7 +18,7 @@ import torch
 from mmserve.config import ModelConfig
 from mmserve.engine.attention import AttentionMetadata, SeqAttention, register_attention
 from mmserve.engine.cpu_kernels import kernels_for
-from mmserve.engine.fused_layers import fuse_decoder_layers
+from mmserve.engine.fused_layers import decode_step, fuse_decoder_layers
 from mmserve.engine.kv_pool import KVPool
 from mmserve.engine.packed_linear import PackedLinear, can_pack, pack_linears
 from mmserve.engine.request import Request
@@ -151,10 +151,13 @@ class ModelRunner:
             where = torch.cat(extra_positions).to(self.device)
             rows = {k: torch.cat(v).to(self.device, self.dtype) for k, v in extra_rows.items()}
             kwargs = self.family.lm_inputs(row, where, rows)
-        hidden = self.language_model(
-            inputs_embeds=inputs, position_ids=pos, use_cache=False, mm_attn=meta, **kwargs
-        )
-        last = hidden.last_hidden_state[0]
+        if self.fused_layers and meta.kernels is not None and meta.decode is not None and not meta.seqs:
+            last = decode_step(self.language_model, inputs, pos, meta)[0]  # HF's forward minus its overhead
+        else:
+            hidden = self.language_model(
+                inputs_embeds=inputs, position_ids=pos, use_cache=False, mm_attn=meta, **kwargs
+            )
+            last = hidden.last_hidden_state[0]
         prompt_logits = {i: self.lm_head(last[r : r + n]).float() for i, r, n in prompt_rows}
         sample_rows = [first_row[i] + c.num_tokens - 1 for i, c in enumerate(chunks) if c.samples]
         if sample_rows == list(range(row - len(sample_rows), row)):  # a slice, not a gather copy
