@@ -222,3 +222,31 @@ def test_a_decode_layer_in_one_call_is_the_layer_op_by_op_bitwise(kernels, tiny_
     assert torch.equal(outputs[0], outputs[1])
     assert torch.equal(pools[0][0], pools[1][0]) and torch.equal(pools[0][1], pools[1][1])
     assert not torch.equal(pools[0][0], pool[0])  # the new K rows were written
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("vocab", [7, 1000, 2 * 16384 + 3, 151936])
+def test_greedy_argmax_is_torch_argmax(kernels, dtype, vocab):
+    """Each row's first maximum, NaN counting as the maximum: torch.argmax's ids, over pieces of a row handled
+    by different threads and blocks of a piece, ties across both."""
+    torch.manual_seed(vocab)
+    logits = torch.randn(6, vocab).to(dtype)
+    top = logits.max().item() + 1
+    logits[1, -1] = logits[1, vocab // 2] = top  # a tie across pieces: the earlier one
+    logits[2] = 0.0  # all tied: id 0
+    logits[3, vocab // 3] = logits[3, -1] = float("nan")  # the first NaN
+    logits[4] = float("-inf")
+    logits[5, :] = top
+    logits[5, 0] = -1.0  # the maximum from id 1, in the first block
+    logits[5, vocab - 1] = -0.0 if vocab > 1 else top
+    got = kernels.greedy_argmax(logits)
+    assert got.dtype == torch.int64 and torch.equal(got, logits.argmax(-1))
+    strided = torch.randn(3, 2 * vocab).to(dtype)[:, :vocab]  # rows with a stride wider than a row
+    assert torch.equal(kernels.greedy_argmax(strided), strided.argmax(-1))
+
+
+def test_the_engine_samples_greedy_rows_with_the_kernel(tiny_qwen2_vl, kernels):
+    llm = make_llm(tiny_qwen2_vl, FAMILIES["qwen2_vl"].mm_kwargs)
+    assert llm.engine.sampler.argmax == kernels.greedy_argmax
+    eager = make_llm(tiny_qwen2_vl, FAMILIES["qwen2_vl"].mm_kwargs, cpu_kernels=False)
+    assert eager.engine.sampler.argmax is None

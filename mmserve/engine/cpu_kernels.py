@@ -56,6 +56,7 @@ class CpuKernels:
         self.decode_attention_ = ops.decode_attention_
         self.store_kv_ = ops.store_kv_
         self.decode_layer = ops.decode_layer
+        self.greedy_argmax = ops.greedy_argmax
 
 
 def library_name() -> str:

@@ -117,7 +117,10 @@ class Engine:
         # The structured-output compiler's tokenizer view takes seconds for a real vocabulary: built on a
         # thread from the start, so neither start-up nor the first constrained request waits for all of it.
         self._grammar = concurrent.futures.ThreadPoolExecutor(1, "grammar").submit(self._build_grammar)
-        self.sampler = Sampler(apply_masks=self._apply_grammar_masks)
+        kernels = self.runner.kernels
+        self.sampler = Sampler(
+            self._apply_grammar_masks, kernels.greedy_argmax if kernels is not None else None
+        )
         self.requests: dict[str, Request] = {}  # by request id; n > 1: one entry per choice ("id#i")
         self.groups: dict[str, list[Request]] = {}  # n > 1: group id -> its choices
         # n > 1: choices that wait until the first choice's prompt is in the prefix cache (prefilled once)

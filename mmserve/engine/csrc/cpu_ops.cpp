@@ -9,6 +9,7 @@
 //   first half negated), rounding each product as the eager ops do: bitwise the eager result;
 // - silu_mul: silu(gate) * up over the (T, 2I) gate/up GEMM output;
 // - store_kv_: a layer's new K and V rows into the pool at their slots, in one pass;
+// - greedy_argmax: each row's first maximum logit (torch.argmax's ids), rows and pieces of rows in parallel;
 // - decode_attention_ (decode_attention.cpp): every one-row query against its own slots, reading K and V in
 //   place in the pool (no gather), the G query heads that share a KV head together so each K/V row is read once.
 // Element-wise work rounds to the tensor dtype where the eager ops round (float math, bf16 storage). The files
@@ -16,7 +17,9 @@
 // the attention's sums, which are never the eager ones bit for bit, call std::fma where they want it.
 #include <torch/library.h>
 
+#include <limits>
 #include <tuple>
+#include <vector>
 
 #include "cpu_common.h"
 
@@ -212,6 +215,75 @@ void store_kv_(Tensor k_cache, Tensor v_cache, const Tensor& slots, const Tensor
   });
 }
 
+constexpr int64_t kArgmaxPiece = 16384;  // logits of one argmax task: 32 KB of bf16, in L1/L2 for its two passes
+
+struct PieceMax {
+  float value;    // the piece's maximum (NaN if it holds one)
+  int64_t index;  // its first position in the row
+};
+
+constexpr int64_t kArgmaxBlock = 256;  // logits per vectorised max: the first block holding the maximum is scanned
+
+// The first maximum of n logits, a NaN counting as the maximum (torch.argmax's rule): a vectorised max and NaN
+// count per block, then a scan of the first block that holds the maximum (or the first NaN).
+template <typename T>
+PieceMax piece_max(const T* x, int64_t n, int64_t offset) {
+  float best = -std::numeric_limits<float>::infinity();
+  int64_t best_block = 0;
+  for (int64_t b = 0; b < n; b += kArgmaxBlock) {
+    const int64_t len = std::min(kArgmaxBlock, n - b);
+    float m = -std::numeric_limits<float>::infinity();
+    int nans = 0;
+    _Pragma("omp simd reduction(max : m) reduction(+ : nans)") for (int64_t i = 0; i < len; ++i) {
+      const float v = to_f(x[b + i]);
+      nans += v != v;
+      m = std::max(m, v);
+    }
+    if (nans) {
+      for (int64_t i = 0;; ++i)
+        if (to_f(x[b + i]) != to_f(x[b + i])) return {std::numeric_limits<float>::quiet_NaN(), offset + b + i};
+    }
+    if (m > best) {  // strictly: an earlier block keeps a tie
+      best = m;
+      best_block = b;
+    }
+  }
+  for (int64_t i = best_block; i < n; ++i)
+    if (to_f(x[i]) == best) return {best, offset + i};
+  return {best, offset};  // unreachable: some element is the maximum
+}
+
+// logits (B, V) -> (B,) int64: each row's first maximum, torch.argmax's ids, with rows and pieces of rows
+// spread over the threads (one row of 151,936 logits is ten pieces).
+Tensor greedy_argmax(const Tensor& logits) {
+  check_rows(logits, "logits");
+  TORCH_CHECK(logits.dim() == 2 && logits.size(1) > 0, "greedy_argmax: logits (B, V), V > 0");
+  const int64_t rows = logits.size(0), vocab = logits.size(1), stride = logits.stride(0);
+  const int64_t pieces = (vocab + kArgmaxPiece - 1) / kArgmaxPiece;
+  std::vector<PieceMax> found(rows * pieces);
+  dispatch(logits.scalar_type(), [&](auto tag) {
+    using scalar_t = decltype(tag);
+    const scalar_t* base = logits.data_ptr<scalar_t>();
+    at::parallel_for(0, rows * pieces, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t task = begin; task < end; ++task) {
+        const int64_t r = task / pieces, lo = (task % pieces) * kArgmaxPiece;
+        found[task] = piece_max(base + r * stride + lo, std::min(kArgmaxPiece, vocab - lo), lo);
+      }
+    });
+  });
+  Tensor out = at::empty({rows}, logits.options().dtype(at::kLong));
+  int64_t* op = out.data_ptr<int64_t>();
+  for (int64_t r = 0; r < rows; ++r) {  // the earliest piece wins ties; a NaN beats every number
+    PieceMax best = found[r * pieces];
+    for (int64_t p = 1; p < pieces && best.value == best.value; ++p) {
+      const PieceMax& c = found[r * pieces + p];
+      if (c.value != c.value || c.value > best.value) best = c;
+    }
+    op[r] = best.index;
+  }
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(mmserve_cpu, m) {
@@ -223,6 +295,7 @@ TORCH_LIBRARY(mmserve_cpu, m) {
       "decode_attention_(Tensor(a!) out, Tensor query, Tensor rows, Tensor k_cache, Tensor v_cache, Tensor slots, "
       "Tensor lengths, float scale) -> ()");
   m.def("store_kv_(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, Tensor key, Tensor value) -> ()");
+  m.def("greedy_argmax(Tensor logits) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(mmserve_cpu, CPU, m) {
@@ -231,4 +304,5 @@ TORCH_LIBRARY_IMPL(mmserve_cpu, CPU, m) {
   m.impl("rope_", &rope_);
   m.impl("silu_mul", &silu_mul);
   m.impl("store_kv_", &store_kv_);
+  m.impl("greedy_argmax", &greedy_argmax);
 }
