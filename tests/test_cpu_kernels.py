@@ -191,13 +191,14 @@ def test_disable_cpu_kernels_flag(tiny_qwen2_vl):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_a_decode_layer_in_one_call_is_the_layer_op_by_op_bitwise(kernels, tiny_qwen2_vl, dtype):
-    """csrc/decode_layer.cpp against the same layer's kernels called one by one from Python (the path of steps
-    with a prefill), on a real layer of the tiny model (its weights packed where the engine packs them): the
-    same output and the same K/V written to the pool, bit for bit."""
+def test_the_decode_stack_is_the_layers_op_by_op_bitwise(kernels, tiny_qwen2_vl, dtype):
+    """csrc/decode_layers.cpp against the same layers' kernels called one by one from Python (the path of steps
+    with a prefill) and the model's final norm, on the tiny model's layers (their weights packed where the
+    engine packs them): the same hidden states and the same K/V written to every layer's pool, bit for bit."""
     llm = make_llm(tiny_qwen2_vl, FAMILIES["qwen2_vl"].mm_kwargs, dtype=dtype)
     runner = llm.engine.runner
-    text_model, layer = runner.language_model, runner.language_model.layers[1]
+    text_model, stack = runner.language_model, runner.decode_stack
+    assert stack is not None and stack.packed == runner.packed
     torch.manual_seed(3)
     lengths, hidden = [1, 7, 20, 33, 12], text_model.config.hidden_size
     slots = torch.randperm(200)
@@ -207,21 +208,28 @@ def test_a_decode_layer_in_one_call_is_the_layer_op_by_op_bitwise(kernels, tiny_
         for row, (s, n) in enumerate(zip(starts, lengths, strict=True))
     ]
     new_slots = torch.stack([seq.kv_slots[-1] for seq in seqs])
-    x = torch.randn(len(lengths), hidden, dtype=runner.dtype)
+    x = torch.randn(1, len(lengths), hidden, dtype=runner.dtype)
     positions = (torch.arange(len(lengths)) + 40)[None, None, :].expand(3, 1, -1)
-    rotary = text_model.rotary_emb(x.unsqueeze(0), positions)
-    pool_shape = (200, layer.num_kv_heads, layer.head_dim)
-    pool = [torch.randn(pool_shape, dtype=runner.dtype) for _ in range(2)]
-    outputs, pools = [], []
-    for run in (layer.decode_in_one_call, layer.layer_ops):
-        k_cache, v_cache = [None, pool[0].clone()], [None, pool[1].clone()]
+    layers = list(text_model.layers)
+    pool_shape = (200, layers[0].num_kv_heads, layers[0].head_dim)
+    pools = [torch.randn(pool_shape, dtype=runner.dtype) for _ in range(2 * len(layers))]
+
+    def layer_by_layer(x, meta):
+        rotary = text_model.rotary_emb(x, positions)
+        for layer in layers:
+            x = layer.layer_ops(x[0], meta, rotary).unsqueeze(0)
+        return text_model.norm(x)
+
+    outputs, written = [], []
+    for run in (lambda x, meta: stack(x, positions, meta), layer_by_layer):
+        k_cache, v_cache = [p.clone() for p in pools[::2]], [p.clone() for p in pools[1::2]]
         meta = AttentionMetadata.build(k_cache, v_cache, new_slots, seqs, "cpu", kernels)
         assert meta.decode is not None and not meta.seqs  # a pure decode step
-        outputs.append(run(x, meta, rotary))
-        pools.append((k_cache[1], v_cache[1]))
+        outputs.append(run(x, meta))
+        written.append(k_cache + v_cache)
     assert torch.equal(outputs[0], outputs[1])
-    assert torch.equal(pools[0][0], pools[1][0]) and torch.equal(pools[0][1], pools[1][1])
-    assert not torch.equal(pools[0][0], pool[0])  # the new K rows were written
+    assert all(torch.equal(a, b) for a, b in zip(*written, strict=True))
+    assert not torch.equal(written[0][0], pools[0])  # the new K rows were written
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

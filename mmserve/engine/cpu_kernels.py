@@ -3,7 +3,8 @@
 Why our own: on this CPU the step spent 1.3-2x its GEMM floor in small eager ops and in gathering every
 request's K/V out of the pool for SDPA. The libraries that ship fused CPU kernels for this (Intel's extension
 for PyTorch, SGLang's and vLLM's CPU kernels) are each built against their own pinned torch and do not load
-beside torch 2.13, so mmserve carries six small kernels of its own (see cpu_ops.cpp's header).
+beside torch 2.13, so mmserve carries eight small kernels of its own (see the headers of cpu_ops.cpp and
+decode_layers.cpp).
 
 The library is compiled once per machine with torch's extension builder (g++ and ninja, ~1 min) into
 torch's extension cache (`TORCH_EXTENSIONS_DIR`, default `~/.cache/torch_extensions`) and re-used after; the
@@ -29,7 +30,7 @@ from mmserve.cpu_info import cpu_signature
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = [CSRC / "cpu_ops.cpp", CSRC / "decode_attention.cpp", CSRC / "decode_layer.cpp"]
+SOURCES = [CSRC / "cpu_ops.cpp", CSRC / "decode_attention.cpp", CSRC / "decode_layers.cpp"]
 HEADER = CSRC / "cpu_common.h"  # torch keys its build cache on the sources and flags, not on included headers
 # -O3 and the host's vector ISA (the library is built on the machine that runs it); no fused multiply-add
 # where the eager ops round twice (-ffp-contract=off); OpenMP for at::parallel_for and `omp simd` loops.
@@ -55,7 +56,7 @@ class CpuKernels:
         self.silu_mul = ops.silu_mul
         self.decode_attention_ = ops.decode_attention_
         self.store_kv_ = ops.store_kv_
-        self.decode_layer = ops.decode_layer
+        self.decode_layers = ops.decode_layers
         self.greedy_argmax = ops.greedy_argmax
 
 

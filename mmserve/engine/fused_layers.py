@@ -73,10 +73,7 @@ class FusedDecoderLayer(torch.nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, position_embeddings=None, **kwargs) -> torch.Tensor:
         meta: AttentionMetadata = kwargs["mm_attn"]
-        x = hidden_states[0]  # (T, hidden)
-        if meta.kernels is not None and meta.decode is not None and not meta.seqs:  # a pure decode step
-            return self.decode_in_one_call(x, meta, position_embeddings).unsqueeze(0)
-        return self.layer_ops(x, meta, position_embeddings).unsqueeze(0)
+        return self.layer_ops(hidden_states[0], meta, position_embeddings).unsqueeze(0)
 
     def layer_ops(self, x: torch.Tensor, meta: AttentionMetadata, position_embeddings) -> torch.Tensor:
         """The layer op by op over rows x (T, hidden): the CPU kernels where the step carries them, else the
@@ -106,36 +103,6 @@ class FusedDecoderLayer(torch.nn.Module):
             act = F.silu(gate_up[:, : self.intermediate]) * gate_up[:, self.intermediate :]
         return x + self.down_proj(act)
 
-    def decode_in_one_call(
-        self, x: torch.Tensor, meta: AttentionMetadata, position_embeddings
-    ) -> torch.Tensor:
-        """The kernel path of `forward` for a step of one-row queries only, as one op (csrc/decode_layer.cpp):
-        the same ops in the same order, without a Python call per op."""
-        linears = (self.qkv_proj, self.o_proj, self.gate_up_proj, self.down_proj)
-        packed = isinstance(self.qkv_proj, PackedLinear)  # pack_linears packs every one or none
-        qkv, o, gate_up, down = (m.packed if packed else m.weight for m in linears)
-        cos, sin = rotary_rows(meta, position_embeddings, x.dtype)
-        group = meta.decode
-        return meta.kernels.decode_layer(
-            x,
-            [self.input_norm, qkv, o, self.post_norm, gate_up, down],
-            [m.bias for m in linears],
-            self.input_eps,
-            self.post_eps,
-            self.num_heads,
-            self.num_kv_heads,
-            packed,
-            cos,
-            sin,
-            meta.k_cache[self.layer_idx],
-            meta.v_cache[self.layer_idx],
-            meta.new_slots,
-            group.row_ids,
-            group.slots,
-            group.lengths,
-            self.scaling,
-        )
-
 
 def rotary_rows(meta: AttentionMetadata, position_embeddings, dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """HF's (cos, sin), each (1, T, D), as contiguous (T, D) rows of `dtype` with sin's first half negated:
@@ -148,16 +115,52 @@ def rotary_rows(meta: AttentionMetadata, position_embeddings, dtype) -> tuple[to
     return meta.rotary
 
 
-def decode_step(text_model: torch.nn.Module, inputs: torch.Tensor, position_ids, meta: AttentionMetadata):
-    """(1, T, hidden): what the HF text model's forward returns for a step of fused layers, computed as it
-    computes it (its rotary tables, every layer, the final norm), without what it does besides, per call: its
-    decorators, and a causal mask that the pool attention never reads. For pure decode steps on the CPU
-    kernels, where each layer is one call (`decode_in_one_call`): 0.4-0.5 ms a step at 1 and 16 rows."""
-    position_embeddings = text_model.rotary_emb(inputs, position_ids)
-    hidden = inputs
-    for layer in text_model.layers:
-        hidden = layer(hidden, position_embeddings=position_embeddings, mm_attn=meta)
-    return text_model.norm(hidden)
+class DecodeStack:
+    """Every FusedDecoderLayer of a text model as one op for pure decode steps on the CPU kernels
+    (csrc/decode_layers.cpp: the layers' kernels in the same order, bitwise `layer_ops`, without a Python call
+    per op). Built once the weights are in their final form (packed or not): it holds them in flat lists."""
+
+    def __init__(self, text_model: torch.nn.Module, kernels) -> None:
+        layers: list[FusedDecoderLayer] = list(text_model.layers)
+        first = layers[0]
+        self.text_model = text_model
+        self.op = kernels.decode_layers
+        self.packed = isinstance(first.qkv_proj, PackedLinear)  # pack_linears packs every one or none
+        self.shape = (first.num_heads, first.num_kv_heads)
+        self.scale = first.scaling
+        self.weights, self.biases, self.eps = [], [], []
+        for layer in layers:
+            linears = (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
+            qkv, o, gate_up, down = (m.packed if self.packed else m.weight for m in linears)
+            self.weights += [layer.input_norm, qkv, o, layer.post_norm, gate_up, down]
+            self.biases += [m.bias for m in linears]
+            self.eps += [layer.input_eps, layer.post_eps]
+        self.layer_ids = [layer.layer_idx for layer in layers]
+
+    def __call__(self, inputs: torch.Tensor, position_ids, meta: AttentionMetadata) -> torch.Tensor:
+        """(1, T, hidden): what the HF text model's forward returns for this step, computed as it computes it
+        (its rotary tables, every layer, the final norm), without the rest of what it does per call: its
+        decorators, and a causal mask that the pool attention never reads."""
+        cos, sin = rotary_rows(meta, self.text_model.rotary_emb(inputs, position_ids), inputs.dtype)
+        group = meta.decode
+        hidden = self.op(
+            inputs[0],
+            self.weights,
+            self.biases,
+            self.eps,
+            *self.shape,
+            self.packed,
+            cos,
+            sin,
+            [meta.k_cache[i] for i in self.layer_ids],
+            [meta.v_cache[i] for i in self.layer_ids],
+            meta.new_slots,
+            group.row_ids,
+            group.slots,
+            group.lengths,
+            self.scale,
+        )
+        return self.text_model.norm(hidden.unsqueeze(0))
 
 
 def fuse_decoder_layers(text_model: torch.nn.Module) -> int:

@@ -18,7 +18,7 @@ import torch
 from mmserve.config import ModelConfig
 from mmserve.engine.attention import AttentionMetadata, SeqAttention, register_attention
 from mmserve.engine.cpu_kernels import kernels_for
-from mmserve.engine.fused_layers import decode_step, fuse_decoder_layers
+from mmserve.engine.fused_layers import DecodeStack, fuse_decoder_layers
 from mmserve.engine.kv_pool import KVPool
 from mmserve.engine.packed_linear import PackedLinear, can_pack, pack_linears
 from mmserve.engine.request import Request
@@ -76,6 +76,9 @@ class ModelRunner:
         if self.packed:  # oneDNN's layout once, not on every call (bf16: bitwise the same outputs)
             pack_linears(self.language_model)
             self.lm_head = PackedLinear(self.lm_head)
+        # Pure decode steps run every fused layer in one op, over the weights in their final form.
+        fused_kernels = self.fused_layers and self.kernels is not None
+        self.decode_stack = DecodeStack(self.language_model, self.kernels) if fused_kernels else None
 
     def positions(self, request: Request, start: int, end: int) -> torch.Tensor:
         """Position ids (rows, n) of tokens [start, end)."""
@@ -151,8 +154,8 @@ class ModelRunner:
             where = torch.cat(extra_positions).to(self.device)
             rows = {k: torch.cat(v).to(self.device, self.dtype) for k, v in extra_rows.items()}
             kwargs = self.family.lm_inputs(row, where, rows)
-        if self.fused_layers and meta.kernels is not None and meta.decode is not None and not meta.seqs:
-            last = decode_step(self.language_model, inputs, pos, meta)[0]  # HF's forward minus its overhead
+        if self.decode_stack is not None and meta.decode is not None and not meta.seqs:  # pure decode
+            last = self.decode_stack(inputs, pos, meta)[0]
         else:
             hidden = self.language_model(
                 inputs_embeds=inputs, position_ids=pos, use_cache=False, mm_attn=meta, **kwargs
