@@ -13,7 +13,8 @@ In fp32 (MKL) the concatenated GEMMs are bitwise equal to the separate ones, so 
 output is bitwise HF's; in bf16 oneDNN may block a concatenated q/k/v GEMM differently at some row counts (64,
 300), a last-bit difference of the same kind as batching rows already gives. `tests/test_fused_layers.py` holds
 both. On a CPU the norms, RoPE and SiLU-and-mul run in mmserve's kernels when the step's metadata carries them
-(`cpu_kernels.py`: one pass each, the same roundings; tests/test_cpu_kernels.py).
+(`cpu_kernels.py`: one pass each, the same roundings; tests/test_cpu_kernels.py), and a pure decode step runs
+every layer in one op (`DecodeStack`).
 """
 
 from __future__ import annotations
