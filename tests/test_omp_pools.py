@@ -24,8 +24,9 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def os_threads() -> int:
-    return len(os.listdir("/proc/self/task"))
+def os_threads() -> set[int]:
+    """This process's threads by id: sets, not counts, since other tests' threads may exit meanwhile."""
+    return {int(tid) for tid in os.listdir("/proc/self/task")}
 
 
 def parallel_work() -> float:
@@ -33,16 +34,17 @@ def parallel_work() -> float:
     return float((torch.ones(4_000_000) * 2).sum())
 
 
-def settle(expected: int, timeout_s: float = 5.0) -> int:
-    """The thread count once it reaches `expected` (a released worker exits asynchronously), or as it is then."""
+def threads_since(before: set[int], expected: int, timeout_s: float = 5.0) -> int:
+    """How many of the threads alive now were not alive `before`, once that is `expected` (a released worker
+    exits asynchronously) or when the timeout ends."""
     deadline = time.monotonic() + timeout_s
-    while os_threads() != expected and time.monotonic() < deadline:
+    while len(os_threads() - before) != expected and time.monotonic() < deadline:
         time.sleep(0.01)
-    return os_threads()
+    return len(os_threads() - before)
 
 
 def threads_beside_helper(work) -> int:
-    """Threads more than before while a helper thread that ran `work` is still alive (it counts as one)."""
+    """Threads started since a helper thread started and ran `work`, while it is still alive (it counts one)."""
     parallel_work()  # this thread's own pool exists before the count
     before = os_threads()
     done, stop = threading.Event(), threading.Event()
@@ -56,7 +58,7 @@ def threads_beside_helper(work) -> int:
     thread.start()
     try:
         assert done.wait(30)
-        return settle(before + 1) - before
+        return threads_since(before, 1)
     finally:
         stop.set()
         thread.join(10)
@@ -96,6 +98,6 @@ def test_the_tower_thread_hands_its_pool_back_when_idle():
         for _ in range(2):
             item = TowerInput(Modality.IMAGE, {"x": torch.ones(3)}, b"", 1, 1)
             assert batcher.submit(item).result(timeout=30)["main"].tolist() == [2.0, 2.0, 2.0]
-            assert settle(before) == before
+            assert threads_since(before, 0) == 0  # its pool's worker came and went
     finally:
         batcher.close()
