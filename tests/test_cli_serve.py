@@ -18,8 +18,9 @@ import httpx
 import pytest
 
 from mmserve.cli import build_parser, engine_config_from_args, main, server_config_from_args
+from mmserve.cli_args import embedding_store_config_from_args
 from mmserve.models import loader, resolve
-from mmserve.server.encoder_workers import encoder_command, free_port
+from mmserve.server.encoder_workers import as_args, encoder_command, free_port
 from mmserve.testing.probes import child_pids
 from mmserve.testing.server_process import still_running
 
@@ -63,6 +64,20 @@ def test_encoder_workers_run_with_the_servers_gemm_and_packing(tiny_qwen2_vl):
         *encoder_command(engine_config_from_args(parse("serve", tiny_qwen2_vl)), 9123, "info")[3:]
     )
     assert default.fp32_gemm == "auto" and not default.disable_weight_packing
+
+
+def test_encoder_workers_share_the_servers_embedding_store(tiny_qwen2_vl):
+    store = {
+        "--embedding-store": "mooncake://127.0.0.1:50051",
+        "--embedding-store-segment-mb": "32",
+        "--embedding-store-buffer-mb": "16",
+        "--embedding-store-timeout-s": "7",
+        "--embedding-store-retry-s": "2",
+    }
+    engine_cfg = engine_config_from_args(parse("serve", tiny_qwen2_vl, *as_args(store)))
+    assert engine_cfg.embedding_store is not None
+    args = parse(*encoder_command(engine_cfg, 9123, "warning")[3:])
+    assert embedding_store_config_from_args(args) == engine_cfg.embedding_store
 
 
 def _parsers(parser: argparse.ArgumentParser):

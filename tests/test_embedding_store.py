@@ -33,6 +33,7 @@ from mmserve.encoder.store_entry import EntryRejected, decode_entry, encode_entr
 from mmserve.models.family import load_family
 from mmserve.multimodal.items import MAIN, ItemEmbedding, Modality
 from mmserve.multimodal.media import MediaRef
+from mmserve.server.encoder_workers import as_args
 from mmserve.testing.probes import metric
 from mmserve.testing.server_process import free_port, start_server
 from mmserve.transport.cluster_auth import ClusterSecret
@@ -326,7 +327,7 @@ def e2e_starting(tiny_qwen2_vl, tmp_path_factory):
         "--embedding-store-timeout-s": str(TIMEOUT_S),
         "--embedding-store-retry-s": "1",
     }
-    args = [part for flag in flags.items() for part in flag]
+    args = as_args(flags)
     env = {"MMSERVE_CLUSTER_SECRET": SECRET}
     pool = concurrent.futures.ThreadPoolExecutor(2)
     starts = [pool.submit(start_server, tiny_qwen2_vl, *args, log_dir=str(logs), env=env) for _ in range(2)]

@@ -28,6 +28,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def as_args(flags: dict[str, str]) -> list[str]:
+    """{"--flag": value} as the command-line words `--flag value`, in order."""
+    return [word for pair in flags.items() for word in pair]
+
+
 def encoder_command(engine_cfg: EngineConfig, port: int, log_level: str) -> list[str]:
     """The `mmserve encoder` command line of one worker: the server's model, dtype, device, GEMM and packing
     choices, cache size and media policy, on `port` of 127.0.0.1."""
@@ -42,7 +47,7 @@ def encoder_command(engine_cfg: EngineConfig, port: int, log_level: str) -> list
         "--max-media-mb": str(media.max_media_bytes / 2**20),
         "--media-fetch-timeout-s": str(media.fetch_timeout_s),
     }
-    cmd = [sys.executable, "-m", "mmserve.cli", "encoder", *(x for pair in flags.items() for x in pair)]
+    cmd = [sys.executable, "-m", "mmserve.cli", "encoder", *as_args(flags)]
     cmd += ["--fp32-gemm", engine_cfg.fp32_gemm]  # the towers' GEMMs as the server's own tower's
     if not engine_cfg.pack_weights:
         cmd.append("--disable-weight-packing")
@@ -61,15 +66,16 @@ def encoder_command(engine_cfg: EngineConfig, port: int, log_level: str) -> list
 
         cmd += ["--mm-processor-kwargs", json.dumps(dict(engine_cfg.mm_processor_kwargs))]
     if (store := engine_cfg.embedding_store) is not None:
-        store_flags = {
-            "--embedding-store": store.url,
-            "--embedding-store-local-host": store.local_host,
-            "--embedding-store-segment-mb": str(store.segment_mb),
-            "--embedding-store-buffer-mb": str(store.buffer_mb),
-            "--embedding-store-timeout-s": str(store.timeout_s),
-            "--embedding-store-retry-s": str(store.retry_s),
-        }
-        cmd += [x for pair in store_flags.items() for x in pair]
+        cmd += as_args(
+            {
+                "--embedding-store": store.url,
+                "--embedding-store-local-host": store.local_host,
+                "--embedding-store-segment-mb": str(store.segment_mb),
+                "--embedding-store-buffer-mb": str(store.buffer_mb),
+                "--embedding-store-timeout-s": str(store.timeout_s),
+                "--embedding-store-retry-s": str(store.retry_s),
+            }
+        )
     return cmd
 
 
