@@ -76,16 +76,21 @@ def test_silu_mul_matches_the_eager_ops(kernels, dtype, rows):
     torch.testing.assert_close(got, want, **tol)
 
 
-def decode_case(dtype, batch, heads, kv_heads, dim, seed):
-    """A pool, requests of different lengths on scattered slots, their query rows among prefill rows."""
+def decode_case(dtype, batch, heads, kv_heads, dim, seed, runs=False):
+    """A pool, requests of different lengths on scattered slots, their query rows among prefill rows. With
+    `runs`, each request's slots are a run (its prompt's) and then a few scattered ones (its decode tokens'),
+    as an engine lays them out: the kernel reads whole blocks of a run in place."""
     gen = torch.Generator().manual_seed(seed)
     num_slots = 600
     k_cache = torch.randn(num_slots, kv_heads, dim, generator=gen).to(dtype)
     v_cache = torch.randn(num_slots, kv_heads, dim, generator=gen).to(dtype)
-    order = torch.randperm(num_slots, generator=gen)
+    order = torch.arange(num_slots) if runs else torch.randperm(num_slots, generator=gen)
     lengths = [1 + (37 * i + 11) % 90 for i in range(batch)]
     starts = [sum(lengths[:i]) for i in range(batch)]
     kv = [order[s : s + n] for s, n in zip(starts, lengths, strict=True)]
+    if runs:  # the last three slots of each request from the pool's far end
+        far = torch.randperm(num_slots - sum(lengths), generator=gen) + sum(lengths)
+        kv = [torch.cat([k[:-3], far[3 * i : 3 * i + 3]]) if len(k) > 3 else k for i, k in enumerate(kv)]
     rows = [3 + 2 * i for i in range(batch)]  # not consecutive: rows of other chunks between them
     query = torch.randn(rows[-1] + 2, heads + kv_heads, dim, generator=gen).to(dtype)[:, :heads]
     return query, k_cache, v_cache, DecodeGroup.make(rows, kv, torch.device("cpu"))
@@ -93,11 +98,19 @@ def decode_case(dtype, batch, heads, kv_heads, dim, seed):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(
-    "heads,kv_heads,dim",
-    [(14, 2, 64), (12, 2, 128), (4, 4, 64), (16, 1, 64), (6, 2, 80)],  # G = 7, 6, 1 (MHA), 16, any head size
+    "heads,kv_heads,dim,runs",
+    [
+        (14, 2, 64, False),  # G = 7 (on AMX in bf16 where the CPU has it)
+        (14, 2, 64, True),
+        (12, 2, 128, False),  # G = 6
+        (12, 2, 128, True),
+        (4, 4, 64, False),  # G = 1 (MHA)
+        (16, 1, 64, True),  # G = 16
+        (6, 2, 80, False),  # any head size
+    ],
 )
-def test_decode_attention_matches_sdpa(kernels, dtype, heads, kv_heads, dim):
-    query, k_cache, v_cache, group = decode_case(dtype, 5, heads, kv_heads, dim, seed=heads + dim)
+def test_decode_attention_matches_sdpa(kernels, dtype, heads, kv_heads, dim, runs):
+    query, k_cache, v_cache, group = decode_case(dtype, 6, heads, kv_heads, dim, seed=heads + dim, runs=runs)
     want = _decode_attention(query, k_cache, v_cache, group, 0.1)[:, :, 0]  # SDPA over gathered K/V
     out = torch.full_like(query, 7.0)
     kernels.decode_attention_(out, query, group.row_ids, k_cache, v_cache, group.slots, group.lengths, 0.1)

@@ -8,7 +8,7 @@ decode_layers.cpp).
 
 The library is compiled once per machine with torch's extension builder (g++ and ninja, ~1 min) into
 torch's extension cache (`TORCH_EXTENSIONS_DIR`, default `~/.cache/torch_extensions`) and re-used after; the
-build is keyed on the sources and flags, the shared header's digest among the flags, so any edit rebuilds.
+build is keyed on the sources and flags, the headers' digest among the flags, so any edit rebuilds.
 It is compiled for the host's instruction sets (-march=native), so its name carries the CPU's signature
 (`cpu_info.cpu_signature`): machines of different CPUs that share a home directory each build and load their
 own, and none loads a library with instructions its CPU lacks. Without a compiler the engine logs why and runs
@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = [CSRC / "cpu_ops.cpp", CSRC / "decode_attention.cpp", CSRC / "decode_layers.cpp"]
-HEADER = CSRC / "cpu_common.h"  # torch keys its build cache on the sources and flags, not on included headers
+HEADERS = sorted(CSRC.glob("*.h"))  # torch keys its build on sources and flags only
 # -O3 and the host's vector ISA (the library is built on the machine that runs it); no fused multiply-add
 # where the eager ops round twice (-ffp-contract=off); OpenMP for at::parallel_for and `omp simd` loops.
 CFLAGS = [
@@ -66,8 +66,8 @@ def library_name() -> str:
 
 
 def header_digest() -> str:
-    """A digest of the shared header, passed as a define so that editing it alone rebuilds the library."""
-    return hashlib.sha256(HEADER.read_bytes()).hexdigest()[:16]
+    """A digest of the headers, passed as a define so that editing one alone rebuilds the library."""
+    return hashlib.sha256(b"".join(h.read_bytes() for h in HEADERS)).hexdigest()[:16]
 
 
 @functools.cache  # one build and load per process: the ops live in torch's global registry

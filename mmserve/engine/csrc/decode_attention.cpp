@@ -3,14 +3,17 @@
 // One task per (request, KV head); the G query heads of a KV head share each K and V row read. With AVX-512
 // and head sizes 64 and 128 the scores take 16 slots as the vector lanes and the weighted V sum keeps every
 // head's dims in registers, with the rows prefetched ahead; portable loops do the same multiply-adds in the
-// same order elsewhere. The softmax follows SDPA's CPU kernel.
+// same order elsewhere. The softmax follows SDPA's CPU kernel. In bf16 on a CPU with AMX (and a kernel that
+// grants its tiles), head sizes 64 and 128 run on AMX instead (decode_attention_amx.h).
 #include <torch/library.h>
 
 #include <immintrin.h>
 
 #include <vector>
 
+#include "avx512.h"
 #include "cpu_common.h"
+#include "decode_attention_amx.h"
 
 namespace {
 
@@ -20,54 +23,6 @@ constexpr int64_t kLanes = 8;  // query heads per KV head scored together (Qwen2
 constexpr int64_t kSlots = 8;  // slots scored together: independent multiply-add chains
 
 #if defined(__AVX512F__)
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const BFloat16* p) {  // bf16 is the high half of a float: widen and shift
-  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
-}
-inline void store16(float* p, __m512 x) { _mm512_storeu_ps(p, x); }
-inline void store16(BFloat16* p, __m512 x) {
-  alignas(64) float f[16];
-  _mm512_store_ps(f, x);
-  for (int i = 0; i < 16; ++i) p[i] = from_f<BFloat16>(f[i]);
-}
-
-// Asks for one head's row (kDim elements) in L1 ahead of its use. The pool is far larger than the caches and a
-// request's rows are scattered (its decode tokens' slots interleave with other requests'), so each row read
-// waited on DRAM: the kernel ran at a third of the bandwidth a plain read of the same rows reaches.
-template <typename T, int kDim>
-inline void prefetch_row(const T* row) {
-  const char* p = reinterpret_cast<const char*>(row);
-  for (int off = 0; off < kDim * static_cast<int>(sizeof(T)); off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
-}
-
-// r[i] = column i of the 16 x 16 block whose rows are r[0..15].
-inline void transpose16(__m512 r[16]) {
-  __m512 t[16];
-  for (int i = 0; i < 8; ++i) {  // pairs of rows interleaved by element...
-    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
-    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
-  }
-  for (int i = 0; i < 4; ++i) {  // ...then by pairs of elements...
-    const __m512d a = _mm512_castps_pd(t[4 * i]), b = _mm512_castps_pd(t[4 * i + 1]);
-    const __m512d c = _mm512_castps_pd(t[4 * i + 2]), d = _mm512_castps_pd(t[4 * i + 3]);
-    r[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c));
-    r[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c));
-    r[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, d));
-    r[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, d));
-  }
-  for (int i = 0; i < 4; ++i) {  // ...then by 128-bit quarters, twice
-    t[i] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0x88);
-    t[i + 4] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0xdd);
-    t[i + 8] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0x88);
-    t[i + 12] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0xdd);
-  }
-  for (int i = 0; i < 8; ++i) {
-    r[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88);
-    r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xdd);
-  }
-}
-
 // scores[g][j] = qf[g] . k_j for every slot, and each head's largest score into tops (qf holds kL-padded
 // heads, zeros past `group`). 16 slots at a time are the vector lanes: their K rows, transposed in registers
 // into kt (kt[d] = dim d of the 16 slots), are multiplied by each head's qf[g][d] broadcast. The same fused
@@ -325,6 +280,26 @@ void decode_attention_(Tensor out, const Tensor& query, const Tensor& rows, cons
     scalar_t* op = out.data_ptr<scalar_t>();
     const scalar_t* kp = k_cache.data_ptr<scalar_t>();
     const scalar_t* vp = v_cache.data_ptr<scalar_t>();
+#if defined(MMSERVE_HAVE_AMX)
+    if constexpr (std::is_same_v<scalar_t, BFloat16>) {
+      if ((dim == 64 || dim == 128) && group >= 2 && group <= 16 && amx_permitted()) {
+        const auto one = dim == 64 ? attend_amx<64> : attend_amx<128>;
+        at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
+          const AmxConfig config(static_cast<int>(group));
+          _tile_loadconfig(&config);
+          AmxScratch scratch;
+          for (int64_t task = begin; task < end; ++task) {
+            const int64_t b = task / kv_heads, h = task % kv_heads, first = h * group;
+            one(qp + rp[b] * query.stride(0) + first * query.stride(1), query.stride(1), kp, vp, sp + b * width,
+                lp[b], kv_heads, h, group, static_cast<float>(scale),
+                op + rp[b] * out.stride(0) + first * out.stride(1), out.stride(1), scratch);
+          }
+          _tile_release();
+        });
+        return;
+      }
+    }
+#endif
     const auto one = dim == 64    ? attend_one<scalar_t, 64>
                      : dim == 128 ? attend_one<scalar_t, 128>
                                   : attend_one<scalar_t, 0>;
