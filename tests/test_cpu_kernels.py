@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from mmserve.cli_args import engine_config_from_args
+from mmserve.cpu_info import cpu_flags
 from mmserve.engine.attention import AttentionMetadata, DecodeGroup, SeqAttention, _decode_attention
 from mmserve.engine.cpu_kernels import kernels_for, load_cpu_kernels
 from mmserve.engine.fused_layers import rms_norm
@@ -74,6 +75,23 @@ def test_silu_mul_matches_the_eager_ops(kernels, dtype, rows):
     # its exp is within about an ulp of PyTorch's: fp32 in the last bits, bf16 at most one step apart
     tol = dict(rtol=1e-6, atol=1e-6) if dtype == torch.float32 else dict(rtol=2**-7, atol=1e-3)
     torch.testing.assert_close(got, want, **tol)
+
+
+def test_silu_mul_over_every_bf16_gate_value(kernels):
+    """Every bf16 bit pattern as a gate (infinities and NaNs too), up = 1 and up = -3: on AVX-512 the kernel's
+    bf16 silu is a table of torch's silu over the 65,536 values, so it is the eager ops' bits; elsewhere its
+    own exp is within a step of torch's."""
+    gate = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).reshape(64, 1024)
+    for u in (1.0, -3.0):
+        gate_up = torch.cat([gate, torch.full_like(gate, u)], dim=1)
+        want = F.silu(gate) * u
+        got = kernels.silu_mul(gate_up)
+        if "avx512f" in cpu_flags():
+            assert torch.equal(got.isnan(), want.isnan())
+            assert torch.equal(got.nan_to_num(), want.nan_to_num())
+        else:
+            small = gate.float().abs() < 80  # its exp saturates past 88
+            torch.testing.assert_close(got[small], want[small], rtol=2**-7, atol=1e-3)
 
 
 def decode_case(dtype, batch, heads, kv_heads, dim, seed, runs=False):

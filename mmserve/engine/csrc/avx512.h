@@ -14,6 +14,9 @@ inline __m512 load16(const BFloat16* p) {  // bf16 is the high half of a float: 
   const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
 }
+inline __m512 load16(const BFloat16* p, __mmask16 m) {  // the lanes of m (a row's tail), zeros past them
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+}
 inline void store16(float* p, __m512 x) { _mm512_storeu_ps(p, x); }
 
 
