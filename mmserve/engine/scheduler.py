@@ -107,11 +107,18 @@ class Scheduler:
         """Pick the next batch; allocates the slots of every scheduled token (and advances num_computed)."""
         batch: dict[str, ScheduledChunk] = {}
         budget = self.cfg.max_num_batched_tokens
-        for req in [r for r in self.running if not r.is_prefill]:
-            if budget == 0:
-                break
-            if req.status == RequestStatus.RUNNING:  # not retracted by an earlier _grow of this loop
-                budget -= self._grow(req, 1, batch)
+        decoding = [r for r in self.running if not r.is_prefill][:budget]
+        slots = self._alloc(len(decoding)) if decoding else None
+        if slots is not None:  # a slot each, in one allocation (per-request tensors cost ~20 us a request)
+            for req, slot in zip(decoding, slots.tolist(), strict=True):
+                req.slot_buffer[req.num_computed] = slot
+                req.num_computed += 1
+                batch[req.request_id] = ScheduledChunk(req, req.num_computed - 1, req.num_computed)
+            budget -= len(decoding)
+        else:  # short of memory: one at a time, retracting the newest requests as needed
+            for req in decoding:
+                if req.status == RequestStatus.RUNNING:  # not retracted by an earlier _grow of this loop
+                    budget -= self._grow(req, 1, batch)
         candidates = [r for r in self.running if r.is_prefill] + list(self.waiting)[:LOOKAHEAD]
         candidates.sort(key=self._prefill_priority)
         admitting = True
