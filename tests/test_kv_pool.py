@@ -34,6 +34,16 @@ def test_alloc_gives_distinct_slots_with_refcount_one():
     pool.check_integrity()
 
 
+def test_slots_freed_together_come_back_as_an_ascending_run():
+    pool = make_pool(12)
+    assert pool.alloc(4).tolist() == [0, 1, 2, 3]  # a fresh pool: ascending runs
+    run = pool.alloc(5)
+    assert run.tolist() == [4, 5, 6, 7, 8]
+    pool.free(run.flip(0))  # in any order
+    assert pool.alloc(5).tolist() == [4, 5, 6, 7, 8]  # the same run, ascending (read in place by the kernels)
+    pool.check_integrity()
+
+
 def test_alloc_zero_and_failure_allocate_nothing():
     pool = make_pool(4)
     empty = pool.alloc(0)

@@ -120,7 +120,9 @@ class KVPool:
         after = before - counts
         self._refcount[unique] = after
         released = unique[after == 0].tolist()
-        self._free.extend(released)
+        # Pushed in descending order, so that allocations pop them ascending: slots freed together come back as
+        # a run (the decode attention reads a run of slots in place; KV transfers move a run as one segment).
+        self._free.extend(reversed(released))
         return len(released)
 
     @property
