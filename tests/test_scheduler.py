@@ -58,6 +58,45 @@ def test_chunked_prefill_respects_budget_and_prefers_prefill():
     assert sizes == [[5], [5], [2], [1], [1]]
 
 
+def is_run(slots: list[int]) -> bool:
+    return slots == list(range(slots[0], slots[0] + len(slots)))
+
+
+def test_decode_tokens_take_runs_of_slots_ending_at_multiples_of_16():
+    sched = make(num_slots=256, budget=64, max_seqs=4)
+    a, b = request("a", list(range(10)), 40), request("b", list(range(100, 110)), 40)
+    sched.add(a)
+    sched.add(b)
+    for _ in range(30):  # both decode in every step: one slot a step each would interleave them
+        fake_step(sched)
+    for req in (a, b):
+        slots = req.slots.tolist()
+        assert is_run(slots[10:16]) and is_run(slots[16:32]), (
+            slots
+        )  # what the decode attention reads in place
+    while sched.has_work:
+        fake_step(sched)  # finishing gives the unused rest of a run back (check_integrity counts every slot)
+    assert not a.decode_run and not b.decode_run
+
+
+def test_unused_decode_runs_are_given_back_before_anyone_is_retracted():
+    sched = make(num_slots=48, budget=64, max_seqs=4, prefix=False)
+    a = request("a", list(range(10)), 30)  # 40 slots at most, held 16 at a time
+    sched.add(a)
+    for _ in range(8):
+        fake_step(sched)
+    assert a.decode_run  # the rest of its run, not computed yet
+    b = request("b", list(range(100, 110)), 10)  # 20 slots: both fit, if a's run is not held against b
+    sched.add(b)
+    for _ in range(60):
+        if not sched.has_work:
+            break
+        fake_step(sched)
+    assert len(a.output_ids) == 30 and len(b.output_ids) == 10
+    assert sched.stats.retractions == 0
+    assert sched.pool.num_used == 0
+
+
 def test_prefix_hit_skips_cached_tokens():
     sched = make()
     a = request("a", [1, 2, 3, 4, 5, 6], 2)

@@ -69,6 +69,7 @@ class Request:
     num_computed: int = 0
     num_cached_tokens: int = 0  # prompt tokens reused from the prefix cache at first admission
     prefix_handle: object | None = None  # locked radix node while running
+    decode_run: list[int] = field(default_factory=list)  # slots taken for its next decode tokens (Scheduler)
     num_retractions: int = 0
     passed_over: int = 0  # steps it wanted prefill budget and got none, until its prefill completes (aging)
     uncached_estimate: int | None = None  # waiting: tokens left after its prefix cache hit, estimated once

@@ -14,12 +14,15 @@ Slot ownership (see kv_pool / radix_cache):
 | request         | one pool reference per computed token (`request.slots`)    | `_release`             |
 | prefix cache    | one pool reference per token stored in the tree            | `evict` / `reset`      |
 | request (lock)  | one lock on the matched radix path while running           | `_release`             |
+| request (run)   | the free slots taken ahead for its next decode tokens      | `_release`, or memory  |
+|                 | (`decode_run`: the rest of a run of up to DECODE_RUN)      | pressure (`_alloc`)    |
 A request's matched prefix slots are `pool.ref`'d, so a request always frees all of its slots the same way.
 On finish, abort and retraction its computed tokens are inserted into the prefix cache first, so a
 retracted request usually recomputes little.
 
-When the pool is exhausted: evict the prefix cache, then retract the newest running request (free its slots,
-requeue it at the front, recompute later). Requests that can never fit are refused in `add`.
+When the pool is exhausted: evict the prefix cache, then take back the running requests' decode runs, then
+retract the newest running request (free its slots, requeue it at the front, recompute later). Requests that
+can never fit are refused in `add`.
 
 Prefill-decode disaggregation (mmserve.disagg) adds two holders:
 | holder               | owns                                                 | released by                 |
@@ -47,6 +50,10 @@ from mmserve.engine.request import Request, RequestStatus
 
 LOOKAHEAD = 16  # waiting requests considered per step (beyond them: first come, first served)
 STARVATION_STEPS = 8  # steps a prefill may be passed over before it goes first
+# A decoding request takes its slots this many at a time, a run ending at a multiple of DECODE_RUN of its token
+# index: one slot a step would interleave every request's decode tokens, which the decode attention then
+# gathers, where it reads a run of 16 consecutive slots in place (as it reads a prompt's).
+DECODE_RUN = 16
 
 
 @dataclass(frozen=True)
@@ -107,18 +114,17 @@ class Scheduler:
         """Pick the next batch; allocates the slots of every scheduled token (and advances num_computed)."""
         batch: dict[str, ScheduledChunk] = {}
         budget = self.cfg.max_num_batched_tokens
-        decoding = [r for r in self.running if not r.is_prefill][:budget]
-        slots = self._alloc(len(decoding)) if decoding else None
-        if slots is not None:  # a slot each, in one allocation (per-request tensors cost ~20 us a request)
-            for req, slot in zip(decoding, slots.tolist(), strict=True):
-                req.slot_buffer[req.num_computed] = slot
-                req.num_computed += 1
-                batch[req.request_id] = ScheduledChunk(req, req.num_computed - 1, req.num_computed)
-            budget -= len(decoding)
-        else:  # short of memory: one at a time, retracting the newest requests as needed
-            for req in decoding:
-                if req.status == RequestStatus.RUNNING:  # not retracted by an earlier _grow of this loop
-                    budget -= self._grow(req, 1, batch)
+        for req in [r for r in self.running if not r.is_prefill][:budget]:
+            if req.status != RequestStatus.RUNNING:  # retracted by an earlier _grow of this loop
+                continue
+            slot = self._next_decode_slot(req)
+            if slot is None:  # short of memory: one slot, retracting the newest requests as needed
+                budget -= self._grow(req, 1, batch)
+                continue
+            req.slot_buffer[req.num_computed] = slot  # no tensor per request (~20 us each, 64 a step)
+            req.num_computed += 1
+            batch[req.request_id] = ScheduledChunk(req, req.num_computed - 1, req.num_computed)
+            budget -= 1
         candidates = [r for r in self.running if r.is_prefill] + list(self.waiting)[:LOOKAHEAD]
         candidates.sort(key=self._prefill_priority)
         admitting = True
@@ -199,9 +205,33 @@ class Scheduler:
         req.num_computed += slots.numel()
         batch[req.request_id] = ScheduledChunk(req, start, req.num_computed)
 
+    def _next_decode_slot(self, req: Request) -> int | None:
+        """The next slot of the request's decode run, taking a new run (free or evicted slots, never another
+        request's) when it is used up; None when not even that is there."""
+        if not req.decode_run:
+            n = min(DECODE_RUN - req.num_computed % DECODE_RUN, req.max_len - req.num_computed)
+            run = self.pool.alloc(n)
+            if run is None and self.prefix_cache.evict(n - self.pool.num_free) > 0:
+                run = self.pool.alloc(n)
+            if run is None:
+                return None
+            req.decode_run = run.tolist()[::-1]  # popped from the end: in ascending order
+        return req.decode_run.pop()
+
+    def _drop_decode_runs(self) -> int:
+        """Give the running requests' unused decode slots back to the pool; returns how many."""
+        runs = [slot for r in self.running if r.decode_run for slot in r.decode_run]
+        for r in self.running:
+            r.decode_run = []
+        if runs:
+            self.pool.free(torch.tensor(runs, dtype=torch.int64))
+        return len(runs)
+
     def _alloc(self, n: int) -> torch.Tensor | None:
         slots = self.pool.alloc(n)
         if slots is None and self.prefix_cache.evict(n - self.pool.num_free) > 0:
+            slots = self.pool.alloc(n)
+        if slots is None and self._drop_decode_runs() > 0:  # before any request is retracted
             slots = self.pool.alloc(n)
         return slots
 
@@ -249,7 +279,7 @@ class Scheduler:
 
     def outstanding_growth(self) -> int:
         """Slots the running requests may still take before they end (decode admission control)."""
-        return sum(r.max_len - r.num_computed for r in self.running)
+        return sum(r.max_len - r.num_computed - len(r.decode_run) for r in self.running)
 
     def take_dropped(self) -> list[Request]:
         dropped, self.dropped = self.dropped, []
@@ -303,6 +333,9 @@ class Scheduler:
         req.finish_time = time.perf_counter()
 
     def _release(self, req: Request) -> None:
+        if req.decode_run:
+            self.pool.free(torch.tensor(req.decode_run, dtype=torch.int64))
+            req.decode_run = []
         computed = req.num_computed
         if computed:
             self.prefix_cache.insert(req.cache_key(computed), req.slots)
