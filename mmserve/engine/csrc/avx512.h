@@ -14,6 +14,10 @@ inline __m512 load16(const BFloat16* p) {  // bf16 is the high half of a float: 
   const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
 }
+// The lanes of a vector that hold the `left` elements still to go (none if left <= 0): a row's tail.
+inline __mmask16 tail_mask(int64_t left) {
+  return left >= 16 ? static_cast<__mmask16>(0xffff) : left <= 0 ? 0 : static_cast<__mmask16>((1u << left) - 1);
+}
 inline __m512 load16(const BFloat16* p, __mmask16 m) {  // the lanes of m (a row's tail), zeros past them
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
 }

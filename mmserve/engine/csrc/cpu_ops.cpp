@@ -177,7 +177,7 @@ void silu_mul_block<BFloat16>(const BFloat16* __restrict gate, const BFloat16* _
                               BFloat16* __restrict out, int64_t n) {
   const float* table = bf16_silu_table();
   for (int64_t i = 0; i < n; i += 16) {
-    const __mmask16 m = n - i >= 16 ? 0xffff : static_cast<__mmask16>((1u << (n - i)) - 1);
+    const __mmask16 m = tail_mask(n - i);
     const __m512i bits = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, gate + i));
     const __m512 act = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), m, bits, table, 4);
     _mm256_mask_storeu_epi16(out + i, m, to_bf16(_mm512_mul_ps(act, load16(up + i, m))));

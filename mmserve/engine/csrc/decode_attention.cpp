@@ -280,6 +280,15 @@ void decode_attention_(Tensor out, const Tensor& query, const Tensor& rows, cons
     scalar_t* op = out.data_ptr<scalar_t>();
     const scalar_t* kp = k_cache.data_ptr<scalar_t>();
     const scalar_t* vp = v_cache.data_ptr<scalar_t>();
+    const float fscale = static_cast<float>(scale);
+    // A thread's share of the (request, KV head) tasks: attend(query heads, slots, length, KV head, out heads).
+    auto each_task = [&](int64_t begin, int64_t end, auto&& attend) {
+      for (int64_t task = begin; task < end; ++task) {
+        const int64_t b = task / kv_heads, h = task % kv_heads, first = h * group;
+        attend(qp + rp[b] * query.stride(0) + first * query.stride(1), sp + b * width, lp[b], h,
+               op + rp[b] * out.stride(0) + first * out.stride(1));
+      }
+    };
 #if defined(MMSERVE_HAVE_AMX)
     if constexpr (std::is_same_v<scalar_t, BFloat16>) {
       if ((dim == 64 || dim == 128) && group >= 2 && group <= 16 && amx_permitted()) {
@@ -288,12 +297,9 @@ void decode_attention_(Tensor out, const Tensor& query, const Tensor& rows, cons
           const AmxConfig config(static_cast<int>(group));
           _tile_loadconfig(&config);
           AmxScratch scratch;
-          for (int64_t task = begin; task < end; ++task) {
-            const int64_t b = task / kv_heads, h = task % kv_heads, first = h * group;
-            one(qp + rp[b] * query.stride(0) + first * query.stride(1), query.stride(1), kp, vp, sp + b * width,
-                lp[b], kv_heads, h, group, static_cast<float>(scale),
-                op + rp[b] * out.stride(0) + first * out.stride(1), out.stride(1), scratch);
-          }
+          each_task(begin, end, [&](const scalar_t* q, const int64_t* slots, int64_t len, int64_t h, scalar_t* o) {
+            one(q, query.stride(1), kp, vp, slots, len, kv_heads, h, group, fscale, o, out.stride(1), scratch);
+          });
           _tile_release();
         });
         return;
@@ -305,12 +311,9 @@ void decode_attention_(Tensor out, const Tensor& query, const Tensor& rows, cons
                                   : attend_one<scalar_t, 0>;
     at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
       std::vector<float> buf;  // this thread's scratch, grown to the longest request it attends
-      for (int64_t task = begin; task < end; ++task) {
-        const int64_t b = task / kv_heads, h = task % kv_heads, first = h * group;
-        one(qp + rp[b] * query.stride(0) + first * query.stride(1), query.stride(1), kp, vp, sp + b * width,
-            lp[b], kv_heads, h, group, dim, static_cast<float>(scale),
-            op + rp[b] * out.stride(0) + first * out.stride(1), out.stride(1), buf);
-      }
+      each_task(begin, end, [&](const scalar_t* q, const int64_t* slots, int64_t len, int64_t h, scalar_t* o) {
+        one(q, query.stride(1), kp, vp, slots, len, kv_heads, h, group, dim, fscale, o, out.stride(1), buf);
+      });
     });
   });
 }

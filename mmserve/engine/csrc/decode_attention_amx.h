@@ -150,9 +150,8 @@ void attend_amx(const BFloat16* q, int64_t q_head_stride, const BFloat16* k_cach
     const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(tops[g]));
     __m512 sum = _mm512_setzero_ps();
     for (int64_t j0 = 0; j0 < padded; j0 += 16) {
-      const __mmask16 valid =
-          j0 >= len ? 0 : static_cast<__mmask16>(len - j0 >= 16 ? 0xffff : (1u << (len - j0)) - 1);
-      const __m512 e = _mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(_mm512_loadu_ps(sc + g * padded + j0), top)));
+      const __m512 x = _mm512_loadu_ps(sc + g * padded + j0);
+      const __m512 e = _mm512_maskz_mov_ps(tail_mask(len - j0), exp16(_mm512_sub_ps(x, top)));
       sum = _mm512_add_ps(sum, e);
       store16(p + (j0 / 32) * 512 + g * 32 + j0 % 32, e);
     }
