@@ -218,14 +218,16 @@ class Scheduler:
             req.decode_run = run.tolist()[::-1]  # popped from the end: in ascending order
         return req.decode_run.pop()
 
+    def _return_run(self, req: Request) -> int:
+        """Give the request's unused decode slots back to the pool; returns how many."""
+        n = len(req.decode_run)
+        if n:
+            self.pool.free(torch.tensor(req.decode_run, dtype=torch.int64))
+            req.decode_run = []
+        return n
+
     def _drop_decode_runs(self) -> int:
-        """Give the running requests' unused decode slots back to the pool; returns how many."""
-        runs = [slot for r in self.running if r.decode_run for slot in r.decode_run]
-        for r in self.running:
-            r.decode_run = []
-        if runs:
-            self.pool.free(torch.tensor(runs, dtype=torch.int64))
-        return len(runs)
+        return sum(self._return_run(r) for r in self.running)
 
     def _alloc(self, n: int) -> torch.Tensor | None:
         slots = self.pool.alloc(n)
@@ -333,9 +335,7 @@ class Scheduler:
         req.finish_time = time.perf_counter()
 
     def _release(self, req: Request) -> None:
-        if req.decode_run:
-            self.pool.free(torch.tensor(req.decode_run, dtype=torch.int64))
-            req.decode_run = []
+        self._return_run(req)
         computed = req.num_computed
         if computed:
             self.prefix_cache.insert(req.cache_key(computed), req.slots)
