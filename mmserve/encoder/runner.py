@@ -21,6 +21,7 @@ import torch
 from mmserve.config import EmbeddingStoreConfig, MediaConfig
 from mmserve.encoder.batcher import TowerBatcher
 from mmserve.encoder.embedding_store import EmbeddingStore
+from mmserve.encoder.patch_linear import linearize_patch_convs
 from mmserve.encoder.store_entry import model_fingerprint
 from mmserve.engine.packed_linear import can_pack, pack_linears
 from mmserve.models.family import ModelFamily, check_pixel_limit
@@ -194,8 +195,9 @@ def build_encoder(
     handling; with `store_cfg`, a global embedding store tier too (entries of the checkpoint in
     `model_path`, signed with `secret` when given). The store connects in the background. With
     `pack_weights`, a bf16/fp16 tower on a CPU has its linear weights packed, an fp32 one where `fp32_gemm` says
-    (mmserve.engine.packed_linear)."""
+    (mmserve.engine.packed_linear). A 16-bit tower runs its patch convolutions as GEMMs (encoder.patch_linear)."""
     tower = family.load_tower(parse_dtype(dtype)).to(device)
+    linearize_patch_convs(tower, parse_dtype(dtype))
     if pack_weights and can_pack(parse_dtype(dtype), torch.device(device), fp32_gemm):
         pack_linears(tower)
 
