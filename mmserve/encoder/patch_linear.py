@@ -9,8 +9,8 @@ product as a GEMM (fp32: 36 ms against 5.7; docs/benchmarks.md 7m): a sixth of t
 The GEMM sums in its own order, so its outputs are not the convolution's bits (in bf16 about one in a few
 hundred is one bf16 step away). Towers in 16-bit dtypes, whose parity with HF is its greedy tokens (their
 logits are only close, as the decode attention already makes them), use it; fp32 towers keep the convolution,
-HF's own kernel, bit for bit. A convolution applied to anything else than single windows (SigLIP's over a
-whole image, which oneDNN runs well) is left alone, and so is an input of another shape.
+HF's own kernel, bit for bit. An input that is not one window (SigLIP's whole image, whose convolution oneDNN
+runs well: 1.9 ms for a 384² image in bf16) goes to the convolution itself.
 """
 
 from __future__ import annotations
