@@ -6,10 +6,10 @@ Qwen2-VL, Qwen2.5-VL and Qwen3-VL embed their patches with an `nn.Conv3d` whose 
 patches of a 448² image took oneDNN's convolution 68 ms on the 2-core Xeon, against 1.4 ms for the same
 product as a GEMM (fp32: 36 ms against 5.7; docs/benchmarks.md 7m): a sixth of the whole tower.
 
-The GEMM sums in its own order, so its outputs are not the convolution's bits (in bf16 about one in a few
-hundred is one bf16 step away). Towers in 16-bit dtypes, whose parity with HF is its greedy tokens (their
-logits are only close, as the decode attention already makes them), use it; fp32 towers keep the convolution,
-HF's own kernel, bit for bit. An input that is not one window (SigLIP's whole image, whose convolution oneDNN
+The GEMM sums in its own order, so its outputs are not the convolution's bits: in bf16 about one output in
+6,000 is one bf16 step away (random weights and inputs). Towers in 16-bit dtypes use it: their parity with HF
+is its greedy tokens, their logits only close, as the decode attention already makes them. fp32 towers keep the
+convolution, HF's own kernel, bit for bit. An input that is not one window (SigLIP's whole image, whose convolution oneDNN
 runs well: 1.9 ms for a 384² image in bf16) goes to the convolution itself.
 """
 
@@ -44,9 +44,8 @@ class PatchLinear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if tuple(x.shape[2:]) != self.window:
             return self.conv(x)
-        out = self.linear(
-            x.reshape(x.shape[0], -1)
-        )  # (N, D): what the convolution gives as (N, D, 1, ..., 1)
+        # (N, D): what the convolution gives as (N, D, 1, ..., 1)
+        out = self.linear(x.reshape(x.shape[0], -1))
         return out.view(x.shape[0], -1, *([1] * len(self.window)))
 
 
