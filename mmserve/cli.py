@@ -165,6 +165,7 @@ def _encoder(args: argparse.Namespace) -> int:
         max_pending=args.max_pending,
         embedding_cache_mb=args.embedding_cache_mb,
         pack_weights=not args.disable_weight_packing,
+        cpu_kernels=not args.disable_cpu_kernels,
         fp32_gemm=args.fp32_gemm,
         register_urls=tuple(args.register_url or ()),
         register_interval_s=args.register_interval_s,
@@ -317,6 +318,11 @@ def add_encoder_args(p: argparse.ArgumentParser) -> None:
         "into oneDNN's, same outputs, faster)",
     )
     add_fp32_gemm_arg(p)
+    p.add_argument(
+        "--disable-cpu-kernels",
+        action="store_true",
+        help="run the Qwen-VL towers' vision RoPE as PyTorch ops (default on a CPU: mmserve's kernel, the same bits)",
+    )
     p.add_argument("--register-url", nargs="*", default=None, help="language servers to register with")
     p.add_argument("--register-interval-s", type=float, default=5.0, help="registration heartbeat period")
     p.add_argument("--advertise-url", default=None, help="URL servers use to reach this encoder")

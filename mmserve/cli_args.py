@@ -263,7 +263,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--disable-cpu-kernels",
         action="store_true",
-        help="run the decode step's norms, RoPE and decode attention as PyTorch ops (default on a CPU: "
+        help="run the decode step's norms, RoPE and decode attention, and the Qwen-VL towers' vision RoPE, as "
+        "PyTorch ops (default on a CPU: "
         "mmserve's kernels, built once per machine with g++; decode attention reads K/V in place in the pool)",
     )
     p.add_argument("--embedding-cache-mb", type=float, default=512)

@@ -275,6 +275,7 @@ class EncoderConfig:
     max_pending: int = 64  # jobs queued or running; more get 503
     embedding_cache_mb: float = 1024.0
     pack_weights: bool = True  # bf16/fp16 on a CPU: the tower's linear weights in oneDNN's layout
+    cpu_kernels: bool = True  # on a CPU: the Qwen-VL towers' vision RoPE in mmserve's kernel
     fp32_gemm: str = "auto"  # fp32 on a CPU: "mkl", "onednn" (packed), or auto (mmserve.engine.packed_linear)
     send_timeout_s: float = 5.0  # pushing a part to an engine
     shm_pool_mb: float = 256.0  # shared-memory pool per engine this encoder sends to (shm://)

@@ -98,6 +98,7 @@ class LLM:
                 cfg.media,
                 pack_weights=cfg.pack_weights,
                 fp32_gemm=cfg.fp32_gemm,
+                cpu_kernels=cfg.cpu_kernels,
             )
         )
         self.tokenizer = load_tokenizer(cfg.model)

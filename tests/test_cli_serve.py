@@ -53,17 +53,26 @@ def test_served_model_names_fill_the_config():
     assert (cfg.served_model_name, cfg.served_model_aliases) == ("org/model", ())
 
 
-def test_encoder_workers_run_with_the_servers_gemm_and_packing(tiny_qwen2_vl):
-    flags = ("--fp32-gemm", "onednn", "--disable-weight-packing", "--embedding-cache-mb", "64")
+def test_encoder_workers_run_with_the_servers_gemm_packing_and_kernels(tiny_qwen2_vl):
+    flags = (
+        "--fp32-gemm",
+        "onednn",
+        "--disable-weight-packing",
+        "--disable-cpu-kernels",
+        "--embedding-cache-mb",
+        "64",
+    )
     cmd = encoder_command(engine_config_from_args(parse("serve", tiny_qwen2_vl, *flags)), 9123, "warning")
     assert cmd[:3] == [sys.executable, "-m", "mmserve.cli"]
     args = parse(*cmd[3:])  # what `serve --encoder-workers N` starts, as `mmserve encoder` reads it
     assert args.command == "encoder" and (args.port, args.embedding_cache_mb) == (9123, 64)
-    assert args.fp32_gemm == "onednn" and args.disable_weight_packing
+    assert args.fp32_gemm == "onednn" and args.disable_weight_packing and args.disable_cpu_kernels
     default = parse(
         *encoder_command(engine_config_from_args(parse("serve", tiny_qwen2_vl)), 9123, "info")[3:]
     )
-    assert default.fp32_gemm == "auto" and not default.disable_weight_packing
+    assert (
+        default.fp32_gemm == "auto" and not default.disable_weight_packing and not default.disable_cpu_kernels
+    )
 
 
 def test_encoder_workers_share_the_servers_embedding_store(tiny_qwen2_vl):

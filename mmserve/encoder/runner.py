@@ -19,10 +19,13 @@ from typing import Any
 import torch
 
 from mmserve.config import EmbeddingStoreConfig, MediaConfig
+from mmserve.encoder.activation_table import tabulate_activations
 from mmserve.encoder.batcher import TowerBatcher
 from mmserve.encoder.embedding_store import EmbeddingStore
 from mmserve.encoder.patch_linear import linearize_patch_convs
 from mmserve.encoder.store_entry import model_fingerprint
+from mmserve.encoder.vision_attention import fuse_vision_attention
+from mmserve.engine.cpu_kernels import kernels_for
 from mmserve.engine.packed_linear import can_pack, pack_linears
 from mmserve.models.family import ModelFamily, check_pixel_limit
 from mmserve.models.loader import parse_dtype
@@ -190,14 +193,20 @@ def build_encoder(
     secret: ClusterSecret | None = None,
     pack_weights: bool = True,
     fp32_gemm: str = "auto",
+    cpu_kernels: bool = True,
 ) -> MultimodalEncoder:
     """Load the family's tower (no language-model weights) and wrap it in a batcher, a cache and media
     handling; with `store_cfg`, a global embedding store tier too (entries of the checkpoint in
     `model_path`, signed with `secret` when given). The store connects in the background. With
     `pack_weights`, a bf16/fp16 tower on a CPU has its linear weights packed, an fp32 one where `fp32_gemm` says
-    (mmserve.engine.packed_linear). A 16-bit tower runs its patch convolutions as GEMMs (encoder.patch_linear)."""
+    (mmserve.engine.packed_linear). A 16-bit tower runs its patch convolutions as GEMMs (encoder.patch_linear);
+    with `cpu_kernels`, a tower on a CPU runs its Qwen-VL vision RoPE (encoder.vision_attention) and, in bf16, its
+    activations (encoder.activation_table) in mmserve's kernels."""
     tower = family.load_tower(parse_dtype(dtype)).to(device)
     linearize_patch_convs(tower, parse_dtype(dtype))
+    kernels = kernels_for(torch.device(device), parse_dtype(dtype), cpu_kernels)
+    fuse_vision_attention(tower, kernels)
+    tabulate_activations(tower, parse_dtype(dtype), kernels)
     if pack_weights and can_pack(parse_dtype(dtype), torch.device(device), fp32_gemm):
         pack_linears(tower)
 

@@ -3,8 +3,8 @@
 Why our own: on this CPU the step spent 1.3-2x its GEMM floor in small eager ops and in gathering every
 request's K/V out of the pool for SDPA. The libraries that ship fused CPU kernels for this (Intel's extension
 for PyTorch, SGLang's and vLLM's CPU kernels) are each built against their own pinned torch and do not load
-beside torch 2.13, so mmserve carries eight small kernels of its own (see the headers of cpu_ops.cpp and
-decode_layers.cpp).
+beside torch 2.13, so mmserve carries small kernels of its own (see the headers of cpu_ops.cpp,
+decode_layers.cpp and vision_ops.cpp, the towers' one).
 
 The library is compiled once per machine with torch's extension builder (g++ and ninja, ~1 min) into
 torch's extension cache (`TORCH_EXTENSIONS_DIR`, default `~/.cache/torch_extensions`) and re-used after; the
@@ -30,7 +30,12 @@ from mmserve.cpu_info import cpu_signature
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = [CSRC / "cpu_ops.cpp", CSRC / "decode_attention.cpp", CSRC / "decode_layers.cpp"]
+SOURCES = [
+    CSRC / "cpu_ops.cpp",
+    CSRC / "decode_attention.cpp",
+    CSRC / "decode_layers.cpp",
+    CSRC / "vision_ops.cpp",
+]
 HEADERS = sorted(CSRC.glob("*.h"))  # torch keys its build on sources and flags only
 # -O3 and the host's vector ISA (the library is built on the machine that runs it); no fused multiply-add
 # where the eager ops round twice (-ffp-contract=off); OpenMP for at::parallel_for and `omp simd` loops.
@@ -58,6 +63,8 @@ class CpuKernels:
         self.store_kv_ = ops.store_kv_
         self.decode_layers = ops.decode_layers
         self.greedy_argmax = ops.greedy_argmax
+        self.vision_rope = ops.vision_rope
+        self.bf16_lookup = ops.bf16_lookup
 
 
 def library_name() -> str:

@@ -67,6 +67,7 @@ class EngineLoop:
                 secret=secret,
                 pack_weights=cfg.pack_weights,
                 fp32_gemm=cfg.fp32_gemm,
+                cpu_kernels=cfg.cpu_kernels,
             )
         )
         transfer = TransferConfig(mooncake_pool_mb=cfg.mooncake_pool_mb, host=cfg.embedding_host)

@@ -35,7 +35,7 @@ def as_args(flags: dict[str, str]) -> list[str]:
 
 def encoder_command(engine_cfg: EngineConfig, port: int, log_level: str) -> list[str]:
     """The `mmserve encoder` command line of one worker: the server's model, dtype, device, GEMM and packing
-    choices, cache size and media policy, on `port` of 127.0.0.1."""
+    choices, kernels, cache size and media policy, on `port` of 127.0.0.1."""
     media = engine_cfg.media
     flags = {
         "--model": engine_cfg.model,
@@ -51,6 +51,8 @@ def encoder_command(engine_cfg: EngineConfig, port: int, log_level: str) -> list
     cmd += ["--fp32-gemm", engine_cfg.fp32_gemm]  # the towers' GEMMs as the server's own tower's
     if not engine_cfg.pack_weights:
         cmd.append("--disable-weight-packing")
+    if not engine_cfg.cpu_kernels:
+        cmd.append("--disable-cpu-kernels")
     if media.allowed_local_media_path:
         cmd += ["--allowed-local-media-path", media.allowed_local_media_path]
     if media.allowed_media_domains:
