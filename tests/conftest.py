@@ -1,5 +1,5 @@
-"""Shared fixtures: tiny offline checkpoints of every model family, built once per test session, and the
-servers that several end-to-end modules share."""
+"""Shared fixtures: tiny offline checkpoints of every model family, built once per test session, mmserve's CPU
+kernels, and the servers that several end-to-end modules share."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from mmserve.engine.cpu_kernels import CpuKernels, load_cpu_kernels
 from mmserve.testing.probes import settled_integrity
 from mmserve.testing.process_group import SharedProcess
 from mmserve.testing.server_process import ServerHandle, start_server
@@ -27,6 +28,14 @@ def tiny_model(tmp_path_factory):
         return built[arch]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def kernels() -> CpuKernels:
+    """mmserve's CPU kernels (the README's set-up builds them: a machine without them fails here, not skips)."""
+    loaded = load_cpu_kernels()
+    assert loaded is not None, "the CPU kernels did not build (see the warning logged above)"
+    return loaded
 
 
 @pytest.fixture(scope="session")

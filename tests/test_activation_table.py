@@ -11,7 +11,6 @@ from transformers.activations import ACT2FN
 from mmserve.config import MediaConfig
 from mmserve.encoder.activation_table import TableActivation, bf16_table, tabulate_activations
 from mmserve.encoder.runner import MediaInput, build_encoder
-from mmserve.engine.cpu_kernels import load_cpu_kernels
 from mmserve.models.family import load_family
 from mmserve.multimodal.items import Modality
 from mmserve.multimodal.media import MediaRef
@@ -20,14 +19,6 @@ from tests.engine_helpers import png_bytes, wav_bytes
 from tests.families import FAMILIES
 
 ACTS = ["quick_gelu", "silu"]  # the towers' activations whose bits do not depend on where a value sits
-
-
-@pytest.fixture(scope="module")
-def kernels():
-    loaded = load_cpu_kernels()
-    if loaded is None:
-        pytest.skip("mmserve's CPU kernels do not build here")
-    return loaded
 
 
 @pytest.mark.parametrize("act", ACTS)

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from mmserve.cli_args import engine_config_from_args
 from mmserve.cpu_info import cpu_flags
 from mmserve.engine.attention import AttentionMetadata, DecodeGroup, SeqAttention, _decode_attention
-from mmserve.engine.cpu_kernels import kernels_for, load_cpu_kernels
+from mmserve.engine.cpu_kernels import kernels_for
 from mmserve.engine.fused_layers import rms_norm
 from tests.families import FAMILIES
 from tests.test_engine_parity import make_llm
@@ -20,13 +20,6 @@ from tests.test_fused_layers import batch
 from tests.test_packed_linear import logits_of
 
 DTYPES = (torch.float32, torch.bfloat16)
-
-
-@pytest.fixture(scope="module")
-def kernels():
-    loaded = load_cpu_kernels()
-    assert loaded is not None, "the CPU kernels did not build (see the warning logged above)"
-    return loaded
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

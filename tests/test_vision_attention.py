@@ -10,7 +10,6 @@ import torch
 from mmserve.config import MediaConfig
 from mmserve.encoder.runner import MediaInput, build_encoder
 from mmserve.encoder.vision_attention import FusedVisionAttention, fuse_vision_attention
-from mmserve.engine.cpu_kernels import load_cpu_kernels
 from mmserve.models.family import load_family
 from mmserve.multimodal.items import Modality
 from mmserve.multimodal.media import MediaRef
@@ -19,14 +18,6 @@ from tests.engine_helpers import png_bytes
 
 QWEN_VL = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"]
 DTYPES = [torch.float32, torch.bfloat16]
-
-
-@pytest.fixture(scope="module")
-def kernels():
-    loaded = load_cpu_kernels()
-    if loaded is None:
-        pytest.skip("mmserve's CPU kernels do not build here")
-    return loaded
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
