@@ -209,10 +209,9 @@ class Scheduler:
         """The next slot of the request's decode run, taking a new run (free or evicted slots, never another
         request's) when it is used up; None when not even that is there."""
         if not req.decode_run:
-            n = min(DECODE_RUN - req.num_computed % DECODE_RUN, req.max_len - req.num_computed)
-            run = self.pool.alloc(n)
-            if run is None and self.prefix_cache.evict(n - self.pool.num_free) > 0:
-                run = self.pool.alloc(n)
+            run = self._free_or_evicted(
+                min(DECODE_RUN - req.num_computed % DECODE_RUN, req.max_len - req.num_computed)
+            )
             if run is None:
                 return None
             req.decode_run = run.tolist()[::-1]  # popped from the end: in ascending order
@@ -229,10 +228,15 @@ class Scheduler:
     def _drop_decode_runs(self) -> int:
         return sum(self._return_run(r) for r in self.running)
 
-    def _alloc(self, n: int) -> torch.Tensor | None:
+    def _free_or_evicted(self, n: int) -> torch.Tensor | None:
+        """n free slots, evicting prefix-cache entries if the pool is short; None if even that is not enough."""
         slots = self.pool.alloc(n)
         if slots is None and self.prefix_cache.evict(n - self.pool.num_free) > 0:
             slots = self.pool.alloc(n)
+        return slots
+
+    def _alloc(self, n: int) -> torch.Tensor | None:
+        slots = self._free_or_evicted(n)
         if slots is None and self._drop_decode_runs() > 0:  # before any request is retracted
             slots = self.pool.alloc(n)
         return slots
