@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from mmserve.engine.cpu_kernels import CpuKernels
+from mmserve.models.swap import swap_modules
 
 # transformers' names of element-wise activations (those of this transformers that exist are used).
 HF_ACTIVATIONS = (
@@ -75,18 +76,15 @@ def tabulate_activations(tower: torch.nn.Module, dtype: torch.dtype, kernels: Cp
     if kernels is None or dtype != torch.bfloat16:
         return 0
     kinds = elementwise_activations()
-    targets = [(name, m) for name, m in tower.named_modules() if type(m) in kinds]
     tables: dict[str, torch.Tensor | None] = {}
-    done = 0
-    for name, activation in targets:
-        key = f"{type(activation).__qualname__}({activation.extra_repr()})"  # nn.GELU's `approximate`, say
+
+    def tabled(module: torch.nn.Module) -> TableActivation | None:
+        if type(module) not in kinds:
+            return None
+        key = f"{type(module).__qualname__}({module.extra_repr()})"  # nn.GELU's `approximate`, say
         if key not in tables:
-            tables[key] = bf16_table(activation)
-        table = tables[key]
-        if table is None:  # no table has its bits (bf16_table says why)
-            continue
-        parent_name, _, attr = name.rpartition(".")
-        parent = tower.get_submodule(parent_name) if parent_name else tower
-        setattr(parent, attr, TableActivation(activation, table, kernels))
-        done += 1
-    return done
+            tables[key] = bf16_table(module)
+        table = tables[key]  # None: no table has its bits (bf16_table says why)
+        return None if table is None else TableActivation(module, table, kernels)
+
+    return swap_modules(tower, tabled)

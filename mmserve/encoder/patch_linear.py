@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import torch
 
+from mmserve.models.swap import swap_modules
+
 CONVS = (torch.nn.Conv2d, torch.nn.Conv3d)
 
 
@@ -66,9 +68,4 @@ def linearize_patch_convs(tower: torch.nn.Module, dtype: torch.dtype) -> int:
     layers, so the new ones are packed too."""
     if dtype not in (torch.bfloat16, torch.float16):
         return 0
-    targets = [(name, m) for name, m in tower.named_modules() if single_window(m)]
-    for name, conv in targets:
-        parent_name, _, attr = name.rpartition(".")
-        parent = tower.get_submodule(parent_name) if parent_name else tower
-        setattr(parent, attr, PatchLinear(conv))
-    return len(targets)
+    return swap_modules(tower, lambda m: PatchLinear(m) if single_window(m) else None)

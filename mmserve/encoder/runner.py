@@ -202,12 +202,13 @@ def build_encoder(
     (mmserve.engine.packed_linear). A 16-bit tower runs its patch convolutions as GEMMs (encoder.patch_linear);
     with `cpu_kernels`, a tower on a CPU runs its Qwen-VL vision RoPE (encoder.vision_attention) and, in bf16, its
     activations (encoder.activation_table) in mmserve's kernels."""
-    tower = family.load_tower(parse_dtype(dtype)).to(device)
-    linearize_patch_convs(tower, parse_dtype(dtype))
-    kernels = kernels_for(torch.device(device), parse_dtype(dtype), cpu_kernels)
+    torch_dtype, torch_device = parse_dtype(dtype), torch.device(device)
+    tower = family.load_tower(torch_dtype).to(torch_device)
+    linearize_patch_convs(tower, torch_dtype)  # before packing: its linear layers are packed too
+    kernels = kernels_for(torch_device, torch_dtype, cpu_kernels)
     fuse_vision_attention(tower, kernels)
-    tabulate_activations(tower, parse_dtype(dtype), kernels)
-    if pack_weights and can_pack(parse_dtype(dtype), torch.device(device), fp32_gemm):
+    tabulate_activations(tower, torch_dtype, kernels)
+    if pack_weights and can_pack(torch_dtype, torch_device, fp32_gemm):
         pack_linears(tower)
 
     def encode(batch):

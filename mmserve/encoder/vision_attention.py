@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from mmserve.engine.cpu_kernels import CpuKernels
+from mmserve.models.swap import swap_modules
 
 # The vision attention classes whose forward FusedVisionAttention reproduces, by module and class name.
 FUSABLE = {
@@ -74,8 +75,4 @@ def fuse_vision_attention(tower: torch.nn.Module, kernels: CpuKernels | None) ->
     mmserve's CPU kernels (None: the tower is left as it is); returns how many."""
     if kernels is None:
         return 0
-    targets = [(name, m) for name, m in tower.named_modules() if fusable(m)]
-    for name, attention in targets:
-        parent_name, _, attr = name.rpartition(".")
-        setattr(tower.get_submodule(parent_name), attr, FusedVisionAttention(attention, kernels))
-    return len(targets)
+    return swap_modules(tower, lambda m: FusedVisionAttention(m, kernels) if fusable(m) else None)

@@ -21,6 +21,7 @@ import torch
 
 from mmserve.config import check_fp32_gemm
 from mmserve.cpu_info import cpu_vendor
+from mmserve.models.swap import swap_modules
 
 # oneDNN picks its blocking for this many rows; measured best across 1-300 rows (decode to prefill chunks).
 BATCH_HINT = 64
@@ -76,9 +77,4 @@ def pack_linears(module: torch.nn.Module) -> int:
     Only modules of exactly that class are packed, and only those called as modules: a subclass can be read
     by its owner's code through `.weight` (`nn.MultiheadAttention` hands `out_proj.weight`, a
     `NonDynamicallyQuantizableLinear`, to its functional form, in SigLIP's pooling head)."""
-    targets = [(name, child) for name, child in module.named_modules() if type(child) is torch.nn.Linear]
-    for name, linear in targets:
-        parent_name, _, attr = name.rpartition(".")
-        parent = module.get_submodule(parent_name) if parent_name else module
-        setattr(parent, attr, PackedLinear(linear))
-    return len(targets)
+    return swap_modules(module, lambda m: PackedLinear(m) if type(m) is torch.nn.Linear else None)
