@@ -69,11 +69,9 @@ def test_decode_tokens_take_runs_of_slots_ending_at_multiples_of_16():
     sched.add(b)
     for _ in range(30):  # both decode in every step: one slot a step each would interleave them
         fake_step(sched)
-    for req in (a, b):
+    for req in (a, b):  # what the decode attention reads in place
         slots = req.slots.tolist()
-        assert is_run(slots[10:16]) and is_run(slots[16:32]), (
-            slots
-        )  # what the decode attention reads in place
+        assert is_run(slots[10:16]) and is_run(slots[16:32]), slots
     while sched.has_work:
         fake_step(sched)  # finishing gives the unused rest of a run back (check_integrity counts every slot)
     assert not a.decode_run and not b.decode_run
