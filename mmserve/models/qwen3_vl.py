@@ -161,7 +161,29 @@ class Family(qwen2_vl.Family):
             self._tokenizer = AutoTokenizer.from_pretrained(self.path)
         return self._tokenizer
 
+    def collapse_video_wrappers(self, token_ids: list[int]) -> list[int]:
+        """The chat template wraps each video placeholder in `<|vision_start|>` / `<|vision_end|>`, and every frame
+        of the expansion brings its own pair: the template's outer pair is dropped, as transformers' Qwen3-VL
+        processor drops it (5.25: "avoid an extra vision start/end pair around all frames")."""
+        video = self.placeholders[Modality.VIDEO]
+        out: list[int] = []
+        skip_end = False
+        for i, tid in enumerate(token_ids):
+            if skip_end:
+                skip_end = False
+                if tid == self.vision_end_id:
+                    continue
+            if tid == video and out and out[-1] == self.vision_start_id:
+                nxt = token_ids[i + 1] if i + 1 < len(token_ids) else None
+                if nxt == self.vision_end_id:
+                    out.pop()
+                    skip_end = True
+            out.append(tid)
+        return out
+
     def expand(self, token_ids: list[int], items: list[Any]) -> ExpandedPrompt:
+        token_ids = self.collapse_video_wrappers(token_ids)
+
         def render(item, placeholder: int) -> tuple[list[int], list[int]]:
             if item.modality != Modality.VIDEO:
                 return [item.pad_value] * item.num_tokens, [placeholder] * item.num_tokens
