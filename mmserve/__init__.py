@@ -13,7 +13,7 @@ def __getattr__(name: str):
 
         return LLM
     if name == "SamplingParams":
-        from mmserve.engine.sampling_params import SamplingParams
+        from mmserve.sampling_params import SamplingParams
 
         return SamplingParams
     if name in ("RequestOutput", "CompletionOutput"):

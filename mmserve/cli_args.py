@@ -83,6 +83,7 @@ def engine_config_from_args(args: argparse.Namespace):
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs,
         kv_cache_mb=args.kv_cache_mb,
+        state_cache_mb=args.state_cache_mb,
         disable_prefix_cache=args.disable_prefix_cache,
         encode_prefill_overlap=not args.disable_encode_prefill_overlap,
         pack_weights=not args.disable_weight_packing,
@@ -239,6 +240,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="KV budget (default: room for --max-num-seqs requests of --max-model-len tokens, at most 20%% of "
         "free memory)",
+    )
+    p.add_argument(
+        "--state-cache-mb",
+        type=float,
+        default=None,
+        help="models with linear-attention layers (Qwen3.5): the budget of per-request states and their "
+        "prefix-cache checkpoints (default: 2 x --max-num-seqs states, at most 20%% of free memory)",
     )
     p.add_argument("--disable-prefix-cache", action="store_true")
     p.add_argument(

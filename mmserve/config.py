@@ -146,6 +146,9 @@ class EngineConfig:
         None  # KV pool budget; None: max_num_seqs x max_model_len tokens, capped below
     )
     kv_cache_memory_fraction: float = 0.2  # of the memory available at start: the default budget's cap
+    # Hybrid models (linear-attention layers): the state pool, running requests' states and prefix-cache
+    # checkpoints; None: 2 x max_num_seqs states, capped at kv_cache_memory_fraction of the memory available.
+    state_cache_mb: float | None = None
     disable_prefix_cache: bool = False
     # Prefill a request's text before its first item while the item encodes (mmserve.engine.engine)
     encode_prefill_overlap: bool = True
@@ -187,6 +190,8 @@ class EngineConfig:
             raise ValueError("max_num_seqs must be >= 1")
         if self.kv_cache_mb is not None and self.kv_cache_mb <= 0:
             raise ValueError("kv_cache_mb must be > 0")
+        if self.state_cache_mb is not None and self.state_cache_mb <= 0:
+            raise ValueError("state_cache_mb must be > 0")
         if not 0 < self.kv_cache_memory_fraction <= 0.95:
             raise ValueError("kv_cache_memory_fraction must be in (0, 0.95]")
         if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:

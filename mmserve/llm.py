@@ -23,7 +23,6 @@ from mmserve.engine.cache_salt import check_cache_salt
 from mmserve.engine.detokenizer import IncrementalDetokenizer
 from mmserve.engine.engine import BatchFailed, Engine
 from mmserve.engine.request import Request
-from mmserve.engine.sampling_params import SamplingParams
 from mmserve.llm_inputs import Prompt, check_mm_limits, check_prompts, engine_config, generate_prompt
 from mmserve.models.loader import load_tokenizer
 from mmserve.multimodal.items import Modality
@@ -31,6 +30,7 @@ from mmserve.multimodal.media import MediaRef
 from mmserve.multimodal.messages import parse_messages
 from mmserve.multimodal.precomputed import EmbedsRef, build_item
 from mmserve.outputs import ChoiceState, RequestOutput, TokenText, prompt_logprob_dicts
+from mmserve.sampling_params import SamplingParams
 
 logger = logging.getLogger("mmserve")
 

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from mmserve.engine.detokenizer import IncrementalDetokenizer
-from mmserve.engine.logprobs import TokenLogprobs
+from mmserve.logprobs import TokenLogprobs
 
 
 @dataclass

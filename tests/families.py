@@ -56,6 +56,9 @@ FAMILIES = {
     "qwen2_vl": FamilyCases("qwen2_vl", "image", QWEN_VIDEO, has_video=True),
     "qwen2_5_vl": FamilyCases("qwen2_5_vl", "image", QWEN_VIDEO, has_video=True),
     "qwen3_vl": FamilyCases("qwen3_vl", "image", QWEN3_VIDEO, has_video=True),
+    "qwen3_vl_moe": FamilyCases("qwen3_vl_moe", "image", QWEN3_VIDEO, has_video=True),
+    "qwen3_5": FamilyCases("qwen3_5", "image", QWEN3_VIDEO, has_video=True),
+    "qwen3_5_moe": FamilyCases("qwen3_5_moe", "image", QWEN3_VIDEO, has_video=True),
     "llava_onevision": FamilyCases("llava_onevision", "image", has_video=True),
     "qwen2_audio": FamilyCases("qwen2_audio", "audio"),
 }

@@ -16,6 +16,8 @@ import torch
 
 from mmserve.config import MediaConfig
 from mmserve.encoder.runner import MultimodalEncoder
+from mmserve.engine.cache.kv_pool import KVPool
+from mmserve.engine.cache.radix_cache import RadixCache
 from mmserve.engine.cache_salt import (
     MAX_CACHE_SALT_CHARS,
     SALT_KEY_BASE,
@@ -23,13 +25,11 @@ from mmserve.engine.cache_salt import (
     prefix_key,
     salted_key,
 )
-from mmserve.engine.kv_pool import KVPool
-from mmserve.engine.radix_cache import RadixCache
 from mmserve.engine.request import Request
-from mmserve.engine.sampling_params import SamplingParams
 from mmserve.engine.scheduler import Scheduler, SchedulerConfig
 from mmserve.models.family import load_family
 from mmserve.multimodal.items import PAD_BASE, Modality, content_hash
+from mmserve.sampling_params import SamplingParams
 from mmserve.testing.probes import settled_integrity
 from mmserve.testing.reference import HFReference
 from mmserve.testing.server_process import start_server
@@ -67,7 +67,7 @@ def test_check_cache_salt_refuses_bad_values(bad):
 
 
 def make_scheduler(num_slots: int = 256) -> Scheduler:
-    pool = KVPool(num_slots, num_layers=1, num_kv_heads=1, head_dim=2, dtype=torch.float32)
+    pool = KVPool.uniform(num_slots, 1, 1, 2, torch.float32)
     return Scheduler(SchedulerConfig(64, 8, max_model_len=1000), pool, RadixCache(pool))
 
 

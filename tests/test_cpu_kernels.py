@@ -11,9 +11,9 @@ import torch.nn.functional as F
 
 from mmserve.cli_args import engine_config_from_args
 from mmserve.cpu_info import cpu_flags
-from mmserve.engine.attention import AttentionMetadata, DecodeGroup, SeqAttention, _decode_attention
 from mmserve.engine.cpu_kernels import kernels_for
 from mmserve.engine.fused_layers import rms_norm
+from mmserve.engine.layers.attention import AttentionMetadata, DecodeGroup, SeqAttention, _decode_attention
 from tests.families import FAMILIES
 from tests.test_engine_parity import make_llm
 from tests.test_fused_layers import batch
@@ -282,3 +282,60 @@ def test_the_engine_samples_greedy_rows_with_the_kernel(tiny_qwen2_vl, kernels):
     assert llm.engine.sampler.argmax == kernels.greedy_argmax
     eager = make_llm(tiny_qwen2_vl, FAMILIES["qwen2_vl"].mm_kwargs, cpu_kernels=False)
     assert eager.engine.sampler.argmax is None
+
+
+# -- Gated DeltaNet decode (Qwen3.5's linear-attention layers) ------------------------------------------------
+def _gated_deltanet(head: int, dtype: torch.dtype):
+    """One transformers Gated DeltaNet layer, with slow decays (so the state matters) and random weights."""
+    from transformers import Qwen3_5TextConfig
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
+
+    config = Qwen3_5TextConfig(
+        hidden_size=96,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=head,
+        linear_value_head_dim=head,
+        linear_conv_kernel_dim=4,
+        num_hidden_layers=1,
+        layer_types=["linear_attention"],
+    )
+    torch.manual_seed(head)
+    layer = Qwen3_5GatedDeltaNet(config, 0)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.normal_(0, 0.3)
+        layer.A_log.copy_(torch.empty(4).uniform_(0.02, 0.2).log())
+    return layer.to(dtype).eval()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head", [128, 8])
+def test_the_gated_deltanet_decode_kernel_is_transformers_step_in_place(kernels, dtype, head):
+    """Four requests' one decode token through the in-pool fast path and through transformers' own forward on
+    the gathered states: outputs and states bitwise equal at Qwen3.5's head size (128), within float rounding
+    at a tiny one (8: torch sums that narrow a dimension in another order)."""
+    from mmserve.engine.layers.linear_state import PoolLinearAttention, _SlotCache
+
+    layer = _gated_deltanet(head, dtype)
+    wrapped = PoolLinearAttention(layer)
+    conv_dim = layer.conv_dim
+    conv = torch.randn(6, conv_dim, 4).to(dtype)
+    recurrent = torch.randn(6, 4, head, head) * 0.5
+    slots = torch.tensor([4, 1, 5, 2])
+    x = torch.randn(4, 1, 96).to(dtype)
+    before_others = recurrent[[0, 3]].clone()
+    cache = _SlotCache(conv.index_select(0, slots), recurrent.index_select(0, slots), fresh=False)
+    with torch.no_grad():
+        want = layer(x, cache=cache)
+        got = wrapped._decode_in_pool(x, conv, recurrent, slots, kernels)
+    pairs = [(got, want), (recurrent[slots], cache.recurrent), (conv[slots], cache.conv)]
+    for g, w in pairs:
+        if head == 128:
+            assert torch.equal(g, w)
+        else:
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5 if dtype == torch.float32 else 1e-2)
+    assert torch.equal(recurrent[[0, 3]], before_others)  # the other slots are untouched
+    q, k, v = (torch.randn(1, 4, head) for _ in range(3))
+    with pytest.raises(RuntimeError, match="out of range"):
+        kernels.gated_delta_step_(recurrent, torch.tensor([6]), q, k, v, torch.rand(1, 4), torch.rand(1, 4))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from mmserve.engine.detokenizer import IncrementalDetokenizer
-from mmserve.engine.sampling_params import SamplingParams
+from mmserve.sampling_params import SamplingParams
 from mmserve.testing.tiny_models import make_tokenizer
 
 

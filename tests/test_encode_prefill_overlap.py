@@ -9,8 +9,8 @@ import httpx
 import pytest
 
 from mmserve.engine.request import text_prefill_id
-from mmserve.engine.sampling_params import SamplingParams
 from mmserve.multimodal.messages import parse_messages
+from mmserve.sampling_params import SamplingParams
 from mmserve.testing.probes import metric
 from tests.engine_helpers import image_case, reference_text
 from tests.test_engine_parity import MAX_NEW, assert_idle_and_clean, greedy, make_llm, make_oracle

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from mmserve import LLM, SamplingParams
-from mmserve.engine import attention
+from mmserve.engine.layers import attention
 from mmserve.multimodal.items import PAD_BASE, MultimodalItem
 from tests.engine_helpers import image_case
 from tests.test_engine_parity import assert_idle_and_clean, greedy, make_llm, make_oracle
@@ -157,12 +157,12 @@ def test_a_failing_batch_ends_only_its_requests_and_caches_no_garbage(tiny_qwen2
     runner, real = llm.engine.runner, llm.engine.runner.forward
     target = {"rid": None, "failures": 0}
 
-    def flaky(chunks, pool):
+    def flaky(chunks, pool, states=None):
         for c in chunks:
             if c.request.request_id == target["rid"] and c.start >= c.request.prompt_len + 2:
                 target["failures"] += 1
                 raise RuntimeError("injected kernel failure")
-        return real(chunks, pool)
+        return real(chunks, pool, states)
 
     monkeypatch.setattr(runner, "forward", flaky)
     other = image_case([62], "Another request.")

@@ -40,10 +40,13 @@ def assert_idle_and_clean(llm: LLM) -> None:
     engine = llm.engine
     assert not engine.has_work
     llm.check_integrity()
-    # Everything still allocated belongs to the prefix cache; dropping it frees every slot.
+    # Everything still allocated belongs to the prefix cache; dropping it frees every slot (and every state).
     engine.scheduler.prefix_cache.reset()
     assert engine.pool.num_used == 0
     engine.pool.check_integrity()
+    if engine.states is not None:
+        assert engine.states.num_used == 0
+        engine.states.check_integrity()
 
 
 def run_and_compare(llm: LLM, oracle, cases, check_logits: bool = True):

@@ -82,6 +82,22 @@ def test_epd_with_two_encoder_workers_matches_hf(epd):
     assert settled_integrity(server.url)["status"] == "ok"
 
 
+def test_the_official_openai_client_chats_with_an_image(epd):
+    """As a new user would: the `openai` package against `mmserve serve`, an image in a user message."""
+    import openai
+
+    arch, model_dir, server = epd
+    spec = FAMILIES[arch]
+    case = spec.one(64, "What is in this picture?")
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", timeout=120)
+    model = client.models.list().data[0].id
+    reply = client.chat.completions.create(
+        model=model, messages=case.messages, max_tokens=MAX_NEW, temperature=0, extra_body={"ignore_eos": True}
+    )
+    assert reply.choices[0].message.content == reference_text(model_dir, MAX_NEW, spec.mm_kwargs)(case)
+    assert reply.usage.prompt_tokens > MAX_NEW and reply.usage.completion_tokens == MAX_NEW
+
+
 def test_bad_media_over_epd_gets_a_clear_4xx(epd):
     arch, _, server = epd
     for messages, status, fragment in FAMILIES[arch].bad():  # not retried elsewhere: the client's fault

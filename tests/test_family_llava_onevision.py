@@ -23,7 +23,6 @@ from transformers import LlavaOnevisionImageProcessorPil
 
 from mmserve import LLM
 from mmserve.config import MediaConfig
-from mmserve.engine.sampling_params import SamplingParams
 from mmserve.models import llava_onevision
 from mmserve.models.family import load_family
 from mmserve.models.loader import load_hf_config
@@ -31,6 +30,7 @@ from mmserve.multimodal.errors import UnsupportedMediaError
 from mmserve.multimodal.items import MAIN, Modality, MultimodalItem
 from mmserve.multimodal.media import DecodedVideo, decode_image, decode_video
 from mmserve.multimodal.messages import parse_messages
+from mmserve.sampling_params import SamplingParams
 from mmserve.testing.reference import HFReference
 from mmserve.testing.tiny_models import build_tiny_model
 from tests.engine_helpers import mp4_bytes, png_bytes

@@ -20,7 +20,7 @@ import torch
 from transformers import AutoTokenizer
 
 from mmserve.engine.grammar import GrammarCompiler, apply_grammar_masks, tool_call_grammar
-from mmserve.engine.sampling_params import StructuredOutputs
+from mmserve.sampling_params import StructuredOutputs
 
 MAX_STEPS = 400
 PAD = 40  # logits wider than the tokenizer, like a padded lm_head

@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 import uuid
 
+import msgspec
 import pytest
 import torch
 import zmq
@@ -18,10 +19,10 @@ import zmq
 from mmserve.config import EngineConfig, ModelConfig
 from mmserve.disagg import kv_messages as k
 from mmserve.disagg.handoffs import Handoffs
+from mmserve.engine.cache.kv_pool import KVPool, uniform_specs
 from mmserve.engine.engine import Engine
-from mmserve.engine.kv_pool import KVPool
-from mmserve.engine.sampling_params import SamplingParams
 from mmserve.models.loader import load_hf_config
+from mmserve.sampling_params import SamplingParams
 from mmserve.transport import messages as m
 from mmserve.transport.cluster_auth import ClusterSecret
 
@@ -32,7 +33,8 @@ SECRET = ClusterSecret(b"k" * 32)
 def mb_for(model: str, slots: int) -> float:
     """A KV budget of exactly `slots` tokens (fp32)."""
     mc = ModelConfig.from_hf(model, load_hf_config(model))
-    return slots * KVPool.bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, torch.float32) / 2**20
+    specs = uniform_specs(mc.num_layers, mc.num_kv_heads, mc.head_dim)
+    return slots * KVPool.bytes_per_token(specs, torch.float32) / 2**20
 
 
 def engine(model: str, mode: str, **kw) -> Engine:
@@ -102,6 +104,7 @@ class Pair:
         self.p.check_integrity()
         self.d.check_integrity()
         assert self.d.pool.num_used == 0 and self.d.scheduler.reserved == 0  # nothing held on the decode side
+        assert self.d.states is None or self.d.states.num_used == 0
 
 
 @pytest.fixture(scope="module")
@@ -135,7 +138,7 @@ def test_handoff_continues_exactly_as_one_engine(pair, tiny_qwen2_vl, backend):
     assert [pair.tokens(r) for r in rooms] == expected
     done = [msg for msg in pair.p_msgs if isinstance(msg, m.HandedOffMsg) and msg.request_id in rooms]
     assert len(done) == 3 and all(msg.kv_bytes > 0 for msg in done)
-    row = pair.p.pool.row_bytes * 2 * pair.p.model_config.num_layers
+    row = pair.p.transfer.kv_bytes(1)
     assert sorted(msg.kv_bytes for msg in done) == sorted(len(p) * row for p in PROMPTS)
     # The repeat hits the prefill side's prefix cache (the prompt stayed there after the handoff).
     again = pair.submit(PROMPTS[0], params[0], backend)
@@ -225,7 +228,7 @@ def test_transfer_timeout_frees_both_sides(tiny_qwen2_vl):
             lone = uuid.uuid4().hex
             dh.adopt(m.AdoptReq(lone, 30.0))
             layout = dh.bootstrap.layout
-            peer.send_multipart([k.encoder.encode(k.Reserve(lone, 10, 20, layout, "zmq", time.time())), b""])
+            peer.send_multipart([k.encoder.encode(k.Reserve(k.KV_PROTOCOL_VERSION, lone, 10, 20, layout, "zmq", time.time())), b""])
             deadline = time.monotonic() + 5
             out: list = []
             while not any(isinstance(x, m.ErrorMsg) for x in out):
@@ -252,7 +255,7 @@ def test_forged_and_unsigned_messages_are_dropped(tiny_qwen2_vl):
     try:
         peer.connect(pair.dh.bootstrap_endpoint)
         layout = pair.dh.bootstrap.layout
-        reserve = k.encoder.encode(k.Reserve("x", 4, 8, layout, "zmq", time.time()))
+        reserve = k.encoder.encode(k.Reserve(k.KV_PROTOCOL_VERSION, "x", 4, 8, layout, "zmq", time.time()))
         peer.send_multipart([reserve, b""])  # unsigned
         peer.send_multipart([reserve, b"", ClusterSecret(b"z" * 32).mac(reserve, b"")])  # wrong secret
         time.sleep(0.2)
@@ -308,8 +311,8 @@ def test_a_request_that_cannot_be_recomputed_fails_instead_of_being_retracted(ti
         0,
         [],
     )
-    slots = d.scheduler.reserve(20)
-    d.adopt(_request("r", state), slots)
+    slots, state_slot = d.reserve(20, state=False)
+    d.adopt(_request("r", state), slots, state_slot)
     dropped = []
     for _ in range(40):
         if not d.has_work:
@@ -320,3 +323,93 @@ def test_a_request_that_cannot_be_recomputed_fails_instead_of_being_retracted(ti
     d.check_integrity()
     assert d.pool.num_used == 0
     assert torch.equal(d.pool.refcount(torch.arange(40)), torch.zeros(40, dtype=torch.int64))
+
+
+# -- hybrid models: the linear layers' state travels with the KV rows ------------------------------------------
+@pytest.mark.parametrize("backend", ["zmq", "mooncake"])
+def test_a_hybrid_models_state_travels_with_its_kv(tiny_model, backend):
+    model = tiny_model("qwen3_5")
+    hybrid = Pair(model, p_kw={"max_num_batched_tokens": 7})
+    try:
+        params = [SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)] * 2
+        params.append(SamplingParams(max_tokens=6, temperature=1.0, seed=3, ignore_eos=True))
+        expected = reference(model, PROMPTS, params)
+        rooms = [hybrid.submit(p, s, backend) for p, s in zip(PROMPTS, params, strict=True)]
+        hybrid.pump(hybrid.settled)
+        assert [hybrid.tokens(r) for r in rooms] == expected
+        done = [msg for msg in hybrid.p_msgs if isinstance(msg, m.HandedOffMsg) and msg.request_id in rooms]
+        state = hybrid.p.transfer.state_bytes
+        assert state > 0 and sorted(msg.kv_bytes for msg in done) == sorted(
+            hybrid.p.transfer.kv_bytes(len(p)) + state for p in PROMPTS
+        )
+        hybrid.check()
+        assert hybrid.d.states.num_used == 0
+    finally:
+        hybrid.close()
+
+
+def test_negative_control_a_handoff_without_its_state_decodes_wrong(tiny_model, monkeypatch):
+    model = tiny_model("qwen3_5")
+    hybrid = Pair(model)
+    try:
+        params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+        expected = reference(model, [PROMPTS[2]], [params])
+        transfer = hybrid.d.transfer
+        real = transfer.write
+
+        def stateless(slots, state_slot, data):  # the rows arrive, the state is left as the slot was
+            real(slots, state_slot, data)
+            if state_slot is not None:
+                transfer.states.scatter(state_slot, torch.zeros(transfer.state_bytes, dtype=torch.uint8))
+
+        monkeypatch.setattr(transfer, "write", stateless)
+        room = hybrid.submit(PROMPTS[2], params)
+        hybrid.pump(hybrid.settled)
+        assert hybrid.tokens(room)[0] == expected[0][0]  # sampled on the prefill side
+        assert hybrid.tokens(room) != expected[0]
+    finally:
+        hybrid.close()
+
+
+def test_mismatched_peers_are_refused_with_an_error_naming_the_difference(tiny_model, tiny_qwen2_vl):
+    """A hybrid prefill engine and a decode engine of another model: 400 naming the first layer that differs; a
+    peer speaking another protocol version: 400 naming both versions."""
+    p = engine(tiny_model("qwen3_5"), "prefill")
+    d = engine(tiny_qwen2_vl, "decode")
+    ph, dh = Handoffs(p, None), Handoffs(d, None)
+    ctx = zmq.Context()
+    peer = ctx.socket(zmq.DEALER)
+    try:
+        room = uuid.uuid4().hex
+        msgs = dh.adopt(m.AdoptReq(room, 30.0))
+        target = m.KvTarget(room, dh.bootstrap_endpoint, "zmq")
+        p.add_request(room, PROMPTS[1], SamplingParams(max_tokens=3, temperature=0), [], handoff=target)
+        deadline = time.monotonic() + 30
+        failures = []
+        while not failures:
+            assert time.monotonic() < deadline
+            for out in p.step() if p.has_work else []:
+                ph.start(out)
+            failures = [x for x in ph.drain() if isinstance(x, m.ErrorMsg)]
+            msgs += dh.drain()
+            time.sleep(0.001)
+        assert failures[0].failure.code == "kv_layout_mismatch"
+        assert "layer 0 is attention" in failures[0].failure.message and "linear state" in failures[0].failure.message
+        peer.connect(dh.bootstrap_endpoint)
+        old = msgspec.msgpack.encode({"type": "reserve", "room": "old", "rows": 4, "total": 8})  # no version
+        peer.send_multipart([old, b""])
+        for _ in range(500):
+            dh.drain()
+            if peer.poll(10):
+                break
+        reply = k.from_decode.decode(peer.recv_multipart()[0])
+        assert isinstance(reply, k.Refused) and reply.failure.code == "kv_protocol_mismatch"
+        assert "version None" in reply.failure.message and f"{k.KV_PROTOCOL_VERSION}" in reply.failure.message
+        p.check_integrity()
+        d.check_integrity()
+        assert d.pool.num_used == 0 and p.states.num_used == p.scheduler.prefix_cache.num_states
+    finally:
+        peer.close(0)
+        ctx.term()
+        ph.close()
+        dh.close()

@@ -3,11 +3,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mmserve.engine.kv_pool import KVPool
+from mmserve.engine.cache.kv_pool import KVPool, uniform_specs
+from mmserve.models.layer_specs import AttentionSpec, LinearStateSpec
 
 
 def make_pool(num_slots: int = 8) -> KVPool:
-    return KVPool(num_slots, num_layers=2, num_kv_heads=2, head_dim=4, dtype=torch.float16)
+    return KVPool.uniform(num_slots, 2, 2, 4, torch.float16)
 
 
 def t(*slots: int) -> torch.Tensor:
@@ -104,14 +105,60 @@ def test_ref_of_free_slot_and_double_free_assert_without_mutating():
 
 
 def test_bytes_per_token_and_from_budget():
-    per = KVPool.bytes_per_token(num_layers=3, num_kv_heads=2, head_dim=8, dtype=torch.bfloat16)
+    specs = uniform_specs(3, 2, 8)
+    per = KVPool.bytes_per_token(specs, torch.bfloat16)
     assert per == 2 * 3 * 2 * 8 * 2
-    pool = KVPool.from_budget(per * 10 + per - 1, 3, 2, 8, torch.bfloat16)
+    pool = KVPool.from_budget(per * 10 + per - 1, specs, torch.bfloat16)
     assert pool.num_slots == 10 and pool.k_cache[2].shape == (10, 2, 8)
-    assert KVPool.from_budget(per, 3, 2, 8, torch.bfloat16).num_slots == 1
-    assert KVPool.bytes_per_token(1, 1, 1, torch.float32) == 8
+    assert KVPool.from_budget(per, specs, torch.bfloat16).num_slots == 1
+    assert KVPool.bytes_per_token(uniform_specs(1, 1, 1), torch.float32) == 8
     with pytest.raises(ValueError):
-        KVPool.from_budget(per - 1, 3, 2, 8, torch.bfloat16)
+        KVPool.from_budget(per - 1, specs, torch.bfloat16)
+
+
+# A hybrid stack: linear-state layers hold no rows; two attention shapes give two groups; a shared layer aliases.
+HYBRID = (
+    LinearStateSpec((24, 4), (2, 4, 4), "Qwen3_5GatedDeltaNet"),
+    AttentionSpec(2, 8),
+    LinearStateSpec((24, 4), (2, 4, 4), "Qwen3_5GatedDeltaNet"),
+    AttentionSpec(1, 16),
+    AttentionSpec(2, 8),
+    AttentionSpec(2, 8, kv_source=1),
+)
+
+
+def test_rows_only_for_layers_that_have_kv_one_view_per_shape():
+    pool = KVPool(5, HYBRID, torch.float32)
+    assert pool.k_cache[0] is None and pool.v_cache[2] is None
+    assert pool.k_cache[1].shape == (5, 2, 8) and pool.k_cache[3].shape == (5, 1, 16)
+    assert pool.k_cache[5] is pool.k_cache[1] and pool.v_cache[5] is pool.v_cache[1]  # KV sharing: no rows
+    assert [g.layers for g in pool.groups] == [(1, 4), (3,)]
+    per = KVPool.bytes_per_token(HYBRID, torch.float32)
+    assert per == (2 * 2 * 2 * 8 + 2 * 1 * 16) * 4 == pool.token_bytes
+    # the views are disjoint parts of the one allocation
+    for layer, value in ((1, 1.0), (3, 2.0), (4, 3.0)):
+        pool.k_cache[layer].fill_(value)
+        pool.v_cache[layer].fill_(-value)
+    assert float(pool.k_cache[1].sum()) == 5 * 16 and float(pool.v_cache[4].mean()) == -3.0
+    assert pool.buffer.numel() * 4 >= 5 * per
+
+
+def test_gather_and_scatter_move_every_plane_of_the_slots():
+    src, dst = KVPool(6, HYBRID, torch.bfloat16), KVPool(6, HYBRID, torch.bfloat16)
+    for layer in (1, 3, 4):
+        src.k_cache[layer].copy_(torch.randn(src.k_cache[layer].shape))
+        src.v_cache[layer].copy_(torch.randn(src.v_cache[layer].shape))
+    data = src.gather(torch.tensor([4, 1]))
+    assert data.dtype == torch.uint8 and data.numel() == 2 * src.token_bytes
+    dst.scatter(torch.tensor([0, 5]), data)
+    for layer in (1, 3, 4):
+        assert torch.equal(dst.k_cache[layer][[0, 5]], src.k_cache[layer][[4, 1]])
+        assert torch.equal(dst.v_cache[layer][[0, 5]], src.v_cache[layer][[4, 1]])
+    assert not dst.k_cache[1][1:5].any()
+    with pytest.raises(ValueError, match="bytes"):
+        dst.scatter(torch.tensor([0]), data)
+    offsets = [offset for offset, _ in src.planes()]
+    assert offsets == sorted(offsets) and len(offsets) == 2 * 3
 
 
 @pytest.mark.parametrize("corruption", ["duplicate_free", "free_with_ref", "leaked", "negative"])

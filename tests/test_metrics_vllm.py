@@ -13,13 +13,14 @@ import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from mmserve.engine.kv_pool import KVPool
-from mmserve.engine.loop import EngineLoop
-from mmserve.engine.radix_cache import RadixCache
-from mmserve.engine.receiver import ReceiverStats
+from mmserve.engine.cache.kv_pool import KVPool
+from mmserve.engine.cache.radix_cache import RadixCache
+from mmserve.engine.engine import Engine
 from mmserve.engine.request import Request
-from mmserve.engine.sampling_params import SamplingParams
 from mmserve.engine.scheduler import Scheduler, SchedulerConfig
+from mmserve.runtime.loop import EngineLoop
+from mmserve.runtime.receiver import ReceiverStats
+from mmserve.sampling_params import SamplingParams
 from mmserve.server.metrics import EngineTotal, ServerMetrics, build_1_2_5_buckets
 from mmserve.server.serving import Timings
 from mmserve.server.stats_log import StatsLogger, start_stats_log
@@ -211,8 +212,12 @@ def engine_stats(sched: Scheduler) -> StatsMsg:
         encode_seconds_total=0.0,
         held_bytes=0,
     )
+    engine = SimpleNamespace(
+        scheduler=sched, pool=sched.pool, states=None, overlap=SimpleNamespace(stages=0, tokens=0)
+    )
+    engine.stats = lambda: Engine.stats(engine)
     loop = SimpleNamespace(
-        engine=SimpleNamespace(scheduler=sched, pool=sched.pool, overlap=SimpleNamespace(stages=0, tokens=0)),
+        engine=engine,
         intake=intake,
         handoffs=SimpleNamespace(stats=dict),
     )
@@ -220,7 +225,7 @@ def engine_stats(sched: Scheduler) -> StatsMsg:
 
 
 def test_kv_usage_counts_slots_requests_hold_and_not_cached_prefixes():
-    pool = KVPool(64, num_layers=1, num_kv_heads=1, head_dim=2, dtype=torch.float32)
+    pool = KVPool.uniform(64, 1, 1, 2, torch.float32)
     sched = Scheduler(SchedulerConfig(16, 8, max_model_len=1000), pool, RadixCache(pool))
     prompt = list(range(8))
     a = Request("a", prompt, SamplingParams(temperature=0, max_tokens=4))

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from mmserve.engine.receiver import Complete, PartAssembler, Progress
 from mmserve.multimodal.items import ItemEmbedding, Modality
+from mmserve.runtime.receiver import Complete, PartAssembler, Progress
 from mmserve.transport.embedding_wire import WIRE_VERSION, EmbeddingItem, PartHeader
 
 

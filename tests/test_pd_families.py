@@ -22,6 +22,9 @@ BACKEND = {
     "qwen2_vl": "zmq",
     "qwen2_5_vl": "mooncake",
     "qwen3_vl": "zmq",
+    "qwen3_vl_moe": "mooncake",
+    "qwen3_5": "zmq",  # the state rides on the commit; in-process, both backends: tests/test_kv_handoff.py
+    "qwen3_5_moe": "mooncake",  # the state written into the decode engine's state pool
     "llava_onevision": "mooncake",
     "qwen2_audio": "mooncake",
 }

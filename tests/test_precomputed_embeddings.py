@@ -15,12 +15,12 @@ from safetensors.torch import save
 
 from mmserve.config import MediaConfig
 from mmserve.encoder.runner import MediaInput, build_encoder
-from mmserve.engine.sampling_params import SamplingParams
 from mmserve.llm import LLM
 from mmserve.models.family import load_family
 from mmserve.multimodal import precomputed
 from mmserve.multimodal.items import Modality
 from mmserve.multimodal.media import MediaRef
+from mmserve.sampling_params import SamplingParams
 from mmserve.testing.server_process import start_server
 from tests.conftest import random_image
 from tests.engine_helpers import mp4_bytes, png_bytes, png_uri, wav_bytes

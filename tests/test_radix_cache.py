@@ -5,14 +5,14 @@ import random
 import pytest
 import torch
 
-from mmserve.engine.kv_pool import KVPool
-from mmserve.engine.radix_cache import NoPrefixCache, PrefixCache, RadixCache
+from mmserve.engine.cache.kv_pool import KVPool
+from mmserve.engine.cache.radix_cache import NoPrefixCache, PrefixCache, RadixCache
 
 PAD = 2**62
 
 
 def make(num_slots: int = 64) -> tuple[KVPool, RadixCache]:
-    pool = KVPool(num_slots, num_layers=1, num_kv_heads=1, head_dim=2, dtype=torch.float32)
+    pool = KVPool.uniform(num_slots, 1, 1, 2, torch.float32)
     return pool, RadixCache(pool)
 
 
@@ -200,7 +200,7 @@ def test_check_integrity_detects_corruption():
 
 
 def test_no_prefix_cache():
-    pool = KVPool(4, 1, 1, 2, torch.float32)
+    pool = KVPool.uniform(4, 1, 1, 2, torch.float32)
     cache: PrefixCache = NoPrefixCache()
     slots = pool.alloc(3)
     assert cache.insert([1, 2, 3], slots) == 0

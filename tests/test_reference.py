@@ -12,6 +12,9 @@ HF_PROCESSORS = {
     "qwen2_vl": "Qwen2VLProcessor",
     "qwen2_5_vl": "Qwen2_5_VLProcessor",
     "qwen3_vl": "Qwen3VLProcessor",
+    "qwen3_vl_moe": "Qwen3VLProcessor",
+    "qwen3_5": "Qwen3VLProcessor",
+    "qwen3_5_moe": "Qwen3VLProcessor",
     "llava_onevision": "LlavaOnevisionProcessor",
     "qwen2_audio": "Qwen2AudioProcessor",
 }

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from mmserve.engine.sampler import Sampler, greedy_tokens, make_generator
-from mmserve.engine.sampling_params import SamplingParams
+from mmserve.sampling_params import SamplingParams
 
 
 @pytest.mark.parametrize(

@@ -9,7 +9,7 @@ from transformers import AutoModelForImageTextToText, AutoTokenizer
 
 from mmserve.config import EngineConfig
 from mmserve.engine.engine import Engine
-from mmserve.engine.sampling_params import SamplingParams
+from mmserve.sampling_params import SamplingParams
 
 PROMPT = "a cat sat on the mat and the dog"
 
@@ -158,7 +158,7 @@ def test_random_json_schemas_with_the_tiny_model_always_validate(engine, hf) -> 
 
     import jsonschema
 
-    from mmserve.engine.sampling_params import StructuredOutputs
+    from mmserve.sampling_params import StructuredOutputs
     from tests.test_grammar import random_schema
 
     rng = random.Random(14)

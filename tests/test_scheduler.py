@@ -7,15 +7,15 @@ import random
 import pytest
 import torch
 
-from mmserve.engine.kv_pool import KVPool
-from mmserve.engine.radix_cache import NoPrefixCache, RadixCache
+from mmserve.engine.cache.kv_pool import KVPool
+from mmserve.engine.cache.radix_cache import NoPrefixCache, RadixCache
 from mmserve.engine.request import Request, RequestStatus
-from mmserve.engine.sampling_params import SamplingParams
 from mmserve.engine.scheduler import Scheduler, SchedulerConfig
+from mmserve.sampling_params import SamplingParams
 
 
 def make(num_slots=64, budget=16, max_seqs=8, prefix=True) -> Scheduler:
-    pool = KVPool(num_slots, num_layers=1, num_kv_heads=1, head_dim=2, dtype=torch.float32)
+    pool = KVPool.uniform(num_slots, 1, 1, 2, torch.float32)
     cache = RadixCache(pool) if prefix else NoPrefixCache()
     return Scheduler(SchedulerConfig(budget, max_seqs, max_model_len=1000), pool, cache)
 

@@ -22,6 +22,9 @@ PLACEHOLDERS = {
     "qwen2_vl": "<|image_pad|>",
     "qwen2_5_vl": "<|image_pad|>",
     "qwen3_vl": "<|image_pad|>",
+    "qwen3_vl_moe": "<|image_pad|>",
+    "qwen3_5": "<|image_pad|>",
+    "qwen3_5_moe": "<|image_pad|>",
     "llava_onevision": "<image>",
     "qwen2_audio": "<|AUDIO|>",
 }

@@ -209,8 +209,8 @@ def test_assembler_reports_who_encoded_each_item_and_the_transfer_time():
     """What an answer's breakdown shows in EPD: parts of two encoders, the last one sent 0.25 s ago."""
     import torch
 
-    from mmserve.engine.receiver import PartAssembler
     from mmserve.multimodal.items import MAIN, ItemEmbedding, Modality
+    from mmserve.runtime.receiver import PartAssembler
     from mmserve.transport.embedding_wire import WIRE_VERSION, EmbeddingItem, PartHeader
 
     def part(index: int, encoder: str, items: list[int], sent_at: float, rid: str = "r", of: int = 2):

@@ -9,8 +9,8 @@ import pytest
 
 from mmserve import LLM, SamplingParams
 from mmserve.engine.detokenizer import IncrementalDetokenizer
-from mmserve.engine.logprobs import TokenLogprobs
-from mmserve.engine.sampling_params import StructuredOutputs
+from mmserve.logprobs import TokenLogprobs
+from mmserve.sampling_params import StructuredOutputs
 from mmserve.server.logprob_format import TokenStrings, chat_logprobs
 from mmserve.testing.tiny_models import build_tiny_model, make_tokenizer
 

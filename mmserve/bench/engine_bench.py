@@ -19,10 +19,9 @@ import numpy as np
 from PIL import Image
 
 from mmserve.bench.step_profile import GemmFloor, StepCost, breakdown, steps_beside_floor
-from mmserve.engine.kv_pool import KVPool
-from mmserve.engine.sampling_params import SamplingParams
-from mmserve.models.loader import load_model_config, parse_dtype
+from mmserve.models.loader import load_model_config
 from mmserve.multimodal.items import Modality
+from mmserve.sampling_params import SamplingParams
 from mmserve.testing.reference import HFReference
 
 CATEGORIES = ("gemm", "attention", "sampler", "scheduler", "other")
@@ -117,7 +116,7 @@ def decode_rate(llm, images: list[Image.Image], output_tokens: int) -> tuple[flo
             SamplingParams(temperature=0, max_tokens=output_tokens, ignore_eos=True),
             llm.encode(media)[0],
         )
-    while any(r.is_prefill for r in engine.scheduler.running) or engine.scheduler.waiting:
+    while engine.is_prefilling:
         engine.step()
     profiled = min(3, max(0, output_tokens - 4))  # the last steps; every request is still decoding
     # The first output came with the prefill.
@@ -168,10 +167,11 @@ def run(
         for suffix, options in variants
     }
     cfg = load_model_config(model_dir)
-    per_token = KVPool.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, parse_dtype(dtype))
+    engine = next(iter(engines.values()))[1].engine
     print(
-        f"model {model_dir}: {cfg.num_layers} layers, {cfg.num_kv_heads} KV heads x {cfg.head_dim} dims; "
-        f"KV cache {per_token} bytes/token in {dtype}"
+        f"model {model_dir}: {cfg.num_layers} layers ({sum(s.has_kv for s in engine.family.layer_specs)} with KV), "
+        f"{cfg.num_kv_heads} KV heads x {cfg.head_dim} dims; KV cache {engine.kv_bytes_per_token} bytes/token in "
+        f"{dtype}" + (f"; {engine.states.slot_bytes / 2**20:.2f} MB of state per request" if engine.states else "")
     )
     results: dict[str, list[RunResult]] = {}
     seed = 0

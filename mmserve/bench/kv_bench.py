@@ -20,7 +20,7 @@ import zmq
 from mmserve.config import EngineConfig
 from mmserve.disagg.handoffs import Handoffs
 from mmserve.engine.engine import Engine
-from mmserve.engine.sampling_params import SamplingParams
+from mmserve.sampling_params import SamplingParams
 from mmserve.transport import messages as m
 
 

@@ -16,22 +16,20 @@ import time
 from mmserve.disagg import kv_messages as k
 from mmserve.engine.engine import Engine, StepOutput
 from mmserve.engine.request import Request
-from mmserve.models.loader import parse_dtype
 from mmserve.transport import messages as m
 from mmserve.transport.cluster_auth import ClusterSecret
 
 
 class Handoffs:
     def __init__(self, engine: Engine, secret: ClusterSecret | None) -> None:
-        cfg, mc = engine.cfg, engine.model_config
+        cfg = engine.cfg
         self.engine = engine
         self.timeout_s = cfg.kv_transfer_timeout_s
-        layout = k.KvLayout(mc.num_layers, mc.num_kv_heads, mc.head_dim, str(parse_dtype(cfg.dtype)))
         self.sender = self.bootstrap = None
         if cfg.disaggregation_mode == "prefill":
             from mmserve.disagg.kv_sender import KvSender
 
-            self.sender = KvSender(engine.pool, layout, cfg.embedding_host, secret)
+            self.sender = KvSender(engine.transfer, cfg.embedding_host, secret)
         elif cfg.disaggregation_mode == "decode":
             from mmserve.disagg.kv_bootstrap import KvBootstrap
 
@@ -88,11 +86,10 @@ class Handoffs:
         )
         from mmserve.disagg.kv_sender import HandoffJob
 
-        slots = req.slot_buffer[: req.prompt_len].clone()
+        slots, state_slot = self.engine.handoff_cache(req)
         self.in_flight[req.request_id] = req
-        self.sender.submit(
-            HandoffJob(req.request_id, req.handoff, state, slots, time.monotonic() + self.timeout_s)
-        )
+        deadline = time.monotonic() + self.timeout_s
+        self.sender.submit(HandoffJob(req.request_id, req.handoff, state, slots, deadline, state_slot))
 
     def drain(self) -> list:
         if self.bootstrap is not None:

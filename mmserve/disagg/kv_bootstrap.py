@@ -5,11 +5,11 @@ moves on that one thread). A room meets two parties, in either order: the prefil
 (mmserve.disagg.kv_messages) and the API server's AdoptReq (the router sent the client's request to both
 servers). A committed request whose AdoptReq has not come yet waits, parked, holding its slots.
 
-Ownership: a reservation's slots belong to its `_Room` until the commit hands them to the adopted request
-(`Engine.adopt`); every other ending (Cancel, abort by the API server, deadline, bad commit, shutdown) gives
-them back with `Scheduler.unreserve`. Each room has one deadline: the AdoptReq's timeout while the prefill server
-works, then `kv_transfer_timeout_s` from the reservation to the commit, and again from the commit to the
-AdoptReq; the API server's side gets a 504 when it passes.
+Ownership: a reservation's slots (KV, and the state slot of a hybrid model) belong to its `_Room` until the
+commit hands them to the adopted request (`Engine.adopt`); every other ending (Cancel, abort by the API server,
+deadline, bad commit, shutdown) gives them back with `Engine.unreserve`. Each room has one deadline: the
+AdoptReq's timeout while the prefill server works, then `kv_transfer_timeout_s` from the reservation to the
+commit, and again from the commit to the AdoptReq; the API server's side gets a 504 when it passes.
 
 Admission: a reservation is granted only if the request fits to its last token beside everything running and
 reserved (`outstanding_growth`), so decoding never has to retract an adopted request, which could not be
@@ -29,11 +29,11 @@ import zmq
 from mmserve.disagg import kv_messages as k
 from mmserve.engine.engine import Engine
 from mmserve.engine.request import Request
-from mmserve.models.loader import parse_dtype
 from mmserve.transport import messages as m
 from mmserve.transport.cluster_auth import ClusterSecret, PartRejected, PartVerifier
 
 logger = logging.getLogger("mmserve.disagg")
+PROMPT_TAIL_TOKENS = 8  # prompt tokens the decode server's detokenizer gets as context (it uses the last 5)
 
 
 @dataclass
@@ -42,6 +42,7 @@ class _Room:
     expected: bool = False  # the API server's AdoptReq arrived
     peer: bytes | None = None  # ROUTER identity of the prefill engine
     slots: torch.Tensor | None = None  # reserved (ours until adoption)
+    state_slot: int | None = None  # reserved for a hybrid model's linear-attention state
     total: int = 0
     request: Request | None = None  # committed, waiting for the AdoptReq
     accepted: list = field(default_factory=list)  # its first messages for the API server
@@ -64,13 +65,12 @@ class KvBootstrap:
         self.endpoint = f"tcp://{host}:{port}"
         self.verifier = PartVerifier(secret) if secret is not None else None
         self.secret = secret
-        mc, cfg = engine.model_config, engine.cfg
-        self.layout = k.KvLayout(mc.num_layers, mc.num_kv_heads, mc.head_dim, str(parse_dtype(cfg.dtype)))
+        self.layout = k.cache_layout(engine.transfer)
         self.mooncake = None
         try:
             from mmserve.disagg.kv_mooncake import KvMooncake
 
-            self.mooncake = KvMooncake(engine.pool, host)
+            self.mooncake = KvMooncake(engine.transfer, host)
         except (ImportError, OSError, ValueError) as e:  # the zmq backend still works
             logger.warning("Mooncake KV backend unavailable on this decode engine: %s", e)
         self.rooms: dict[str, _Room] = {}
@@ -98,6 +98,17 @@ class KvBootstrap:
             except zmq.Again:
                 return out
             peer, body = frames[0], frames[1:]
+            tag, room, version = k.protocol_version(body[0]) if body else (None, None, None)
+            if tag == "reserve" and room is not None and version != k.KV_PROTOCOL_VERSION:
+                failure = m.Failure(
+                    400,
+                    "kv_protocol_mismatch",
+                    f"the prefill engine speaks KV handoff protocol version {version}, this decode engine "
+                    f"{k.KV_PROTOCOL_VERSION}: run both from the same mmserve release",
+                )
+                self._end(room, failure, out)
+                self._reply(peer, k.Refused(room, failure))
+                continue
             try:
                 msg = k.to_decode.decode(body[0])
                 if self.verifier is not None:
@@ -155,8 +166,8 @@ class KvBootstrap:
             return refuse(
                 400,
                 "kv_layout_mismatch",
-                f"KV layout {msg.layout} does not match this decode "
-                f"engine's {self.layout} (same model and dtype needed)",
+                f"the prefill engine's cache layout does not match this decode engine's "
+                f"({msg.layout.difference(self.layout)}): the same model and dtype are needed",
             )
         if msg.backend not in self.backends:
             return refuse(
@@ -164,17 +175,17 @@ class KvBootstrap:
                 "kv_backend_unavailable",
                 f"this decode engine offers {self.backends}, not {msg.backend!r}",
             )
-        pool, scheduler = self.engine.pool, self.engine.scheduler
-        if msg.total > min(pool.num_slots, self.engine.model_config.max_model_len):
+        engine = self.engine
+        if msg.total > engine.max_request_tokens:
             # 503 like a full pool: another decode server (a bigger one) may take it; the router tries.
             return refuse(
                 503,
                 "decode_at_capacity",
                 f"{msg.total} tokens (prompt + max_tokens) never fit this decode engine "
-                f"({pool.num_slots} KV slots, context {self.engine.model_config.max_model_len})",
+                f"({engine.max_request_tokens} tokens at most)",
             )
         pending = sum(r.total - r.slots.numel() for r in self.rooms.values() if r.slots is not None)
-        room_left = pool.num_free - scheduler.outstanding_growth() - pending
+        room_left = engine.handoff_room() - pending
         if msg.total > room_left:
             return refuse(
                 503,
@@ -183,18 +194,22 @@ class KvBootstrap:
             )
         if msg.order and sorted(msg.order) != list(range(msg.rows)):
             return refuse(400, "bad_handoff", "the reservation's slot order is not a permutation of its rows")
-        slots = scheduler.reserve(msg.rows)
-        if slots is None:  # counted free above: cannot happen unless the accounting is wrong
-            return refuse(503, "decode_at_capacity", "decode engine could not reserve KV slots")
+        if msg.rows and msg.state != (engine.states is not None):
+            message = "a hybrid model's handoff carries its linear-attention state, and only a hybrid model's does"
+            return refuse(400, "bad_handoff", message)
+        reserved = engine.reserve(msg.rows, msg.state)
+        if reserved is None:  # KV counted free above: short of state slots (or the accounting is wrong)
+            return refuse(503, "decode_at_capacity", "decode engine could not reserve KV slots and a state slot")
+        slots, state_slot = reserved
         if msg.order:
             slots = slots.sort().values[torch.tensor(msg.order, dtype=torch.int64)]
         if room is None:
             room = self.rooms[msg.room] = _Room(0.0)
         # From here the transfer has kv_transfer_timeout_s to commit, however long the prefill queue was.
         room.deadline = time.monotonic() + self.timeout_s
-        room.peer, room.slots, room.total = peer, slots, msg.total
+        room.peer, room.slots, room.state_slot, room.total = peer, slots, state_slot, msg.total
         target = self.mooncake.target() if msg.backend == "mooncake" else None
-        return k.Reserved(msg.room, slots.tolist(), target)
+        return k.Reserved(msg.room, slots.tolist(), target, state_slot)
 
     def _commit(self, msg: k.Commit, payload, out: list):
         room = self.rooms.get(msg.room)
@@ -207,20 +222,17 @@ class KvBootstrap:
             rows = room.slots.numel()
             if state.finish_reason is None and rows != len(state.prompt_ids):
                 raise ValueError(f"{rows} rows reserved for a {len(state.prompt_ids)}-token prompt")
-            if len(payload):  # zmq backend: the rows ride on the commit
-                shape = (2, self.layout.num_layers, rows, self.layout.num_kv_heads, self.layout.head_dim)
+            transfer = self.engine.transfer
+            if len(payload):  # zmq backend: the rows (and the state) ride on the commit
                 data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-                pool = self.engine.pool
-                expected = 2 * self.layout.num_layers * rows * pool.row_bytes
-                if data.numel() != expected:
-                    raise ValueError(f"KV payload is {data.numel()} bytes, {expected} expected")
-                pool.scatter(room.slots, data.view(pool.dtype).view(shape))
-            self.bytes_received += 2 * self.layout.num_layers * rows * self.engine.pool.row_bytes
+                transfer.write(room.slots, room.state_slot, data)
+            state_bytes = transfer.state_bytes if room.state_slot is not None else 0
+            self.bytes_received += transfer.kv_bytes(rows) + state_bytes
             room.request = _request(msg.room, state)
         except (ValueError, RuntimeError) as e:
             self._end(msg.room, m.Failure(502, "kv_transfer_failed", f"bad KV handoff: {e}"), out)
             return k.Refused(msg.room, m.Failure(400, "bad_handoff", str(e)))
-        room.accepted = _first_messages(msg.room, state)
+        room.accepted = _first_messages(msg.room, state, self.engine.model_config.vocab_size)
         room.deadline = time.monotonic() + self.timeout_s  # parked until the API server's AdoptReq
         if room.expected:
             self._adopt(msg.room, out)
@@ -260,12 +272,12 @@ class KvBootstrap:
         out.extend(room.accepted)
         self.handoffs += 1
         if req.finished:  # the first token ended it: nothing to decode, nothing was reserved
-            self.engine.scheduler.unreserve(room.slots)
+            self.engine.unreserve(room.slots, room.state_slot)
             return
         try:
-            self.engine.adopt(req, room.slots)
+            self.engine.adopt(req, room.slots, room.state_slot)
         except ValueError as e:
-            self.engine.scheduler.unreserve(room.slots)
+            self.engine.unreserve(room.slots, room.state_slot)
             out[-len(room.accepted) :] = [m.ErrorMsg(rid, m.Failure(409, "duplicate_request", str(e)))]
 
     def _end(self, rid: str, failure: m.Failure | None, out: list) -> None:
@@ -275,7 +287,7 @@ class KvBootstrap:
         if room is None:
             return
         if room.slots is not None:
-            self.engine.scheduler.unreserve(room.slots)
+            self.engine.unreserve(room.slots, room.state_slot)
         if failure is not None and room.expected:
             out.append(m.ErrorMsg(rid, failure))
 
@@ -309,9 +321,16 @@ def _request(room: str, state: k.HandoffState) -> Request:
     return req
 
 
-def _first_messages(room: str, state: k.HandoffState) -> list:
+def _first_messages(room: str, state: k.HandoffState, vocab_size: int) -> list:
+    tail = [t for t in state.prompt_ids[-PROMPT_TAIL_TOKENS:] if t < vocab_size]  # items' pad values are no text
     accepted = m.AcceptedMsg(
-        room, state.prompt_tokens, state.encode_s, state.mm_items, state.mm_cache_hits, list(state.encoded_by)
+        room,
+        state.prompt_tokens,
+        state.encode_s,
+        state.mm_items,
+        state.mm_cache_hits,
+        list(state.encoded_by),
+        prompt_tail=tail,
     )
     tokens = m.TokensMsg(
         room,

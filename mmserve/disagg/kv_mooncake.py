@@ -1,10 +1,13 @@
-"""KV rows over Mooncake's transfer engine: the prefill engine writes straight into the decode engine's pool.
+"""KV rows (and linear-attention state) over Mooncake's transfer engine: the prefill engine writes straight into
+the decode engine's pools.
 
-Each side registers its whole KV pool (`KVPool.buffer`, one allocation) with a `TransferEngine` once (P2P
-handshake: no metadata server). A reservation answers with the decode pool's `MooncakeTarget`; the prefill
-engine then writes every (K|V, layer) row of the request from its own slots to the reserved slots with one
-`batch_transfer_sync_write`, runs of consecutive slots on both sides merged into one segment. No staging
-copy on either side. TCP here, RDMA where the hardware has it (Mooncake picks; nothing here changes).
+Each side registers its KV pool (one allocation: every plane of every layer group) and, for hybrid models, its
+state pool with a `TransferEngine` once (P2P handshake: no metadata server). A reservation answers with the
+decode pools' `MooncakeTarget` (their addresses and the offset and row size of every plane); the prefill engine
+then writes every plane's rows of the request from its own slots to the reserved slots, runs of consecutive
+slots on both sides merged into one segment, and each state plane's row of its state slot to the reserved one,
+all in one `batch_transfer_sync_write`. No staging copy on either side. TCP here, RDMA where the hardware has it
+(Mooncake picks; nothing here changes).
 """
 
 from __future__ import annotations
@@ -14,48 +17,65 @@ import threading
 
 import torch
 
-from mmserve.disagg.kv_messages import MooncakeTarget
-from mmserve.engine.kv_pool import KVPool
+from mmserve.disagg.kv_messages import MooncakeRegion, MooncakeTarget, Plane
+from mmserve.engine.cache.transfer import CacheTransfer, Region
 
 
 class KvMooncake:
-    def __init__(self, pool: KVPool, host: str) -> None:
+    def __init__(self, transfer: CacheTransfer, host: str) -> None:
         from mooncake.engine import TransferEngine  # its native library loads only when this backend is used
 
-        if pool.device.type != "cpu":
+        if transfer.kv.device.type != "cpu":
             raise ValueError(
                 "the mooncake KV backend here moves CPU pools only (this wheel has no GPU transport)"
             )
-        self.pool = pool
+        self.transfer = transfer
         self.engine = TransferEngine()
         if self.engine.initialize(host, "P2PHANDSHAKE", "tcp", "") != 0:
             raise OSError(f"Mooncake transfer engine did not start on {host}")
-        self.address = pool.buffer.data_ptr()
-        self.nbytes = pool.buffer.numel() * pool.buffer.element_size()
-        if self.engine.register_memory(self.address, self.nbytes) != 0:
-            raise OSError("Mooncake could not register the KV pool")
+        self.kv = transfer.kv_region()
+        self.state = transfer.state_region()
+        self._registered: list[int] = []
+        for region in (self.kv, self.state):
+            if region is None:
+                continue
+            if self.engine.register_memory(region.address, region.nbytes) != 0:
+                self.close()
+                raise OSError("Mooncake could not register the engine's cache pools")
+            self._registered.append(region.address)
         self.session = f"{host}:{self.engine.get_rpc_port()}"
         self._lock = threading.Lock()  # one batch at a time through this engine (peer threads share it)
 
     def target(self) -> MooncakeTarget:
-        return MooncakeTarget(self.session, self.address, self.pool.num_slots, self.pool.row_bytes)
+        return MooncakeTarget(self.session, _wire(self.kv), _wire(self.state) if self.state else None)
 
-    def write(self, target: MooncakeTarget, src_slots: torch.Tensor, dst_slots: list[int]) -> int:
-        """Write the K and V rows of our `src_slots` into the peer's `dst_slots`, every layer. Returns the
-        bytes moved; raises OSError when the transfer engine reports a failure."""
-        pool = self.pool
-        row = pool.row_bytes
-        if row != target.row_bytes:
-            raise ValueError(f"KV row size differs: {row} here, {target.row_bytes} at the decode engine")
-        runs = _runs(src_slots.tolist(), dst_slots)
+    def write(
+        self,
+        target: MooncakeTarget,
+        src_slots: torch.Tensor,
+        dst_slots: list[int],
+        src_state: int | None = None,
+        dst_state: int | None = None,
+    ) -> int:
+        """Write every plane's rows of our `src_slots` into the peer's `dst_slots` (and our state slot's rows into
+        its `dst_state`). Returns the bytes moved; raises ValueError when the peer's planes do not match ours and
+        OSError when the transfer engine reports a failure."""
         srcs, dsts, lens = [], [], []
-        for plane in range(2 * pool.num_layers):  # (kv, layer) planes in buffer order
-            src_plane = self.address + plane * pool.num_slots * row
-            dst_plane = target.address + plane * target.num_slots * row
+        _check_planes(self.kv, target.kv, "KV")
+        runs = _runs(src_slots.tolist(), dst_slots)
+        for (src_off, row), dst_plane in zip(self.kv.planes, target.kv.planes, strict=True):
             for src, dst, n in runs:
-                srcs.append(src_plane + src * row)
-                dsts.append(dst_plane + dst * row)
+                srcs.append(self.kv.address + src_off + src * row)
+                dsts.append(target.kv.address + dst_plane.offset + dst * row)
                 lens.append(n * row)
+        if src_state is not None:
+            if self.state is None or target.state is None or dst_state is None:
+                raise ValueError("a linear-attention state to write, but no state pool on one side")
+            _check_planes(self.state, target.state, "state")
+            for (src_off, row), dst_plane in zip(self.state.planes, target.state.planes, strict=True):
+                srcs.append(self.state.address + src_off + src_state * row)
+                dsts.append(target.state.address + dst_plane.offset + dst_state * row)
+                lens.append(row)
         if not srcs:
             return 0
         with self._lock:
@@ -65,8 +85,20 @@ class KvMooncake:
         return sum(lens)
 
     def close(self) -> None:
-        with contextlib.suppress(Exception):
-            self.engine.unregister_memory(self.address)
+        for address in self._registered:
+            with contextlib.suppress(Exception):
+                self.engine.unregister_memory(address)
+        self._registered = []
+
+
+def _wire(region: Region) -> MooncakeRegion:
+    return MooncakeRegion(region.address, region.num_rows, [Plane(o, r) for o, r in region.planes])
+
+
+def _check_planes(ours: Region, theirs: MooncakeRegion, what: str) -> None:
+    rows = [r for _, r in ours.planes]
+    if rows != [p.row_bytes for p in theirs.planes]:
+        raise ValueError(f"{what} planes differ: rows of {rows} bytes here, {[p.row_bytes for p in theirs.planes]} there")
 
 
 def _runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:

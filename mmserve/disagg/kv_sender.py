@@ -8,8 +8,9 @@ addressed to it, and each job ends by its deadline (`kv_transfer_timeout_s` from
 happens: a reply not received in time is a 504, a refusal carries the decode engine's status (503
 `decode_at_capacity`: the router tries another decode server).
 
-The sender thread reads the request's slots of the pool while the loop runs other requests' forwards: those
-slots are owned by the detached request and written by nobody until the loop frees them.
+The sender thread reads the request's slots of the pools (its KV rows, and its state slot for a hybrid model)
+while the loop runs other requests' forwards: those slots are owned by the detached request and written by
+nobody until the loop frees them.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import torch
 import zmq
 
 from mmserve.disagg import kv_messages as k
-from mmserve.engine.kv_pool import KVPool
+from mmserve.engine.cache.transfer import CacheTransfer
 from mmserve.omp_pools import release_thread_pool
 from mmserve.transport.cluster_auth import ClusterSecret
 from mmserve.transport.handoff import Handoff
@@ -43,6 +44,7 @@ class HandoffJob:
     state: k.HandoffState
     slots: torch.Tensor  # the prompt's slots in our pool (held by the detached request)
     deadline: float  # time.monotonic()
+    state_slot: int | None = None  # hybrid models: its linear-attention state after the prompt (held likewise)
 
 
 @dataclass
@@ -66,9 +68,9 @@ def _timeout(what: str, bootstrap: str) -> HandoffError:
 
 
 class KvSender:
-    def __init__(self, pool: KVPool, layout: k.KvLayout, host: str, secret: ClusterSecret | None) -> None:
-        self.pool = pool
-        self.layout = layout
+    def __init__(self, transfer: CacheTransfer, host: str, secret: ClusterSecret | None) -> None:
+        self.transfer = transfer
+        self.layout = k.cache_layout(transfer)
         self.host = host
         self.secret = secret
         self.results = Handoff()
@@ -102,7 +104,7 @@ class KvSender:
             if self._mooncake is None:
                 from mmserve.disagg.kv_mooncake import KvMooncake
 
-                self._mooncake = KvMooncake(self.pool, self.host)
+                self._mooncake = KvMooncake(self.transfer, self.host)
             return self._mooncake
 
     def frames(self, msg, payload: bytes | memoryview = b"") -> list:
@@ -156,26 +158,31 @@ class _Peer:
             sock.close(0)
 
     def _handoff(self, sock: zmq.Socket, job: HandoffJob) -> int:
-        room, state = job.target.room, job.state
-        rows = 0 if state.finish_reason is not None else job.slots.numel()
-        total = 0 if state.finish_reason is not None else len(state.prompt_ids) + state.sampling.max_tokens
+        room, handoff = job.target.room, job.state
+        rows = 0 if handoff.finish_reason is not None else job.slots.numel()
+        total = 0 if handoff.finish_reason is not None else len(handoff.prompt_ids) + handoff.sampling.max_tokens
         backend = job.target.backend
         order: list[int] = []
         if rows and backend == "mooncake":
             ranks = torch.empty_like(job.slots)
             ranks[job.slots.argsort()] = torch.arange(rows)
             order = ranks.tolist()
-        self._send(sock, k.Reserve(room, rows, total, self.sender.layout, backend, time.time(), order))
+        state = rows > 0 and job.state_slot is not None
+        reserve = k.Reserve(
+            k.KV_PROTOCOL_VERSION, room, rows, total, self.sender.layout, backend, time.time(), state, order
+        )
+        self._send(sock, reserve)
         reply = self._reply(sock, job, "reservation")
         if isinstance(reply, k.Refused):
             raise HandoffError(reply.failure)
         assert isinstance(reply, k.Reserved)
-        if len(reply.slots) != rows:
+        if len(reply.slots) != rows or (reply.state_slot is None) == state:
             raise HandoffError(
                 Failure(
                     502,
                     "kv_transfer_failed",
-                    f"decode engine reserved {len(reply.slots)} slots for {rows} rows",
+                    f"decode engine reserved {len(reply.slots)} slots for {rows} rows"
+                    + (" and no state slot" if state and reply.state_slot is None else ""),
                 )
             )
         self._check_cancel(sock, job)
@@ -185,10 +192,11 @@ class _Peer:
                 raise HandoffError(
                     Failure(502, "kv_transfer_failed", "decode engine offers no Mooncake target")
                 )
-            moved = self.sender.mooncake().write(reply.mooncake, job.slots, reply.slots)
+            src_state = job.state_slot if state else None
+            moved = self.sender.mooncake().write(reply.mooncake, job.slots, reply.slots, src_state, reply.state_slot)
         elif rows:
-            data = self.sender.pool.gather(job.slots)  # (2, layers, rows, heads, dim), contiguous
-            payload = memoryview(data.view(torch.uint8).numpy())
+            data = self.sender.transfer.read(job.slots, job.state_slot if state else None)  # KV planes, then state
+            payload = memoryview(data.numpy())
             moved = payload.nbytes
         else:
             moved = 0
@@ -196,7 +204,7 @@ class _Peer:
             self._send(sock, k.Cancel(room, "timeout", time.time()))
             raise _timeout("transfer", self.bootstrap)
         self._check_cancel(sock, job)
-        self._send(sock, k.Commit(room, state, time.time()), payload)
+        self._send(sock, k.Commit(room, handoff, time.time()), payload)
         reply = self._reply(sock, job, "commit")
         if isinstance(reply, k.Refused):
             raise HandoffError(reply.failure)

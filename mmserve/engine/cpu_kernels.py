@@ -35,6 +35,7 @@ SOURCES = [
     CSRC / "decode_attention.cpp",
     CSRC / "decode_layers.cpp",
     CSRC / "vision_ops.cpp",
+    CSRC / "linear_state.cpp",
 ]
 HEADERS = sorted(CSRC.glob("*.h"))  # torch keys its build on sources and flags only
 # -O3 and the host's vector ISA (the library is built on the machine that runs it); no fused multiply-add
@@ -65,6 +66,7 @@ class CpuKernels:
         self.greedy_argmax = ops.greedy_argmax
         self.vision_rope = ops.vision_rope
         self.bf16_lookup = ops.bf16_lookup
+        self.gated_delta_step_ = ops.gated_delta_step_
 
 
 def library_name() -> str:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from mmserve.engine.sampling_params import SamplingParams
+from mmserve.sampling_params import SamplingParams
 
 # Prompt tokens decoded together with the first generated tokens, so that the first delta is decoded in
 # context (tokenizers whose decoding of a token depends on its neighbours).

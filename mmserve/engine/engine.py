@@ -18,21 +18,25 @@ from dataclasses import dataclass
 import torch
 
 from mmserve.config import EngineConfig, ModelConfig
+from mmserve.engine.cache.kv_pool import KVPool
+from mmserve.engine.cache.radix_cache import NoPrefixCache, RadixCache
+from mmserve.engine.cache.state_pool import StatePool, state_bytes
+from mmserve.engine.cache.transfer import CacheTransfer
 from mmserve.engine.cache_salt import check_cache_salt
-from mmserve.engine.kv_pool import KVPool
 from mmserve.engine.logits_processors import RowState
-from mmserve.engine.logprobs import TokenLogprobs, token_logprobs
+from mmserve.engine.logprobs import token_logprobs
 from mmserve.engine.model_runner import ModelRunner
 from mmserve.engine.overlap import OverlapStages
-from mmserve.engine.radix_cache import NoPrefixCache, RadixCache
 from mmserve.engine.request import TEXT_PREFILL_SUFFIX, Request, choice_id, text_prefill_id
 from mmserve.engine.sampler import Sampler, make_generator
-from mmserve.engine.sampling_params import SamplingParams
 from mmserve.engine.scheduler import Scheduler, SchedulerConfig
+from mmserve.logprobs import TokenLogprobs
 from mmserve.models.family import ModelFamily, check_pixel_limit, load_family
+from mmserve.models.layer_specs import LayerSpec, LinearStateSpec
 from mmserve.models.loader import load_hf_config, parse_dtype
 from mmserve.multimodal.embedding import PlacedEmbedding
 from mmserve.multimodal.items import ItemEmbedding, MultimodalItem
+from mmserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +47,30 @@ class BatchFailed(RuntimeError):
     def __init__(self, request_ids: list[str], cause: Exception) -> None:
         super().__init__(f"step failed for {len(request_ids)} request(s): {type(cause).__name__}: {cause}")
         self.request_ids = request_ids
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """The engine's counters and pool use, as its owner reports them (the engine process's StatsMsg)."""
+
+    num_running: int
+    num_waiting: int
+    kv_slots: int
+    kv_slots_used: int
+    # KV slots requests hold (running, handed off, reserved for an incoming handoff), cached-prefix slots they
+    # share included: what vLLM and SGLang report as KV usage. Slots only the prefix cache holds can be evicted at
+    # will and read as free, so an idle engine reads 0; those are exactly the evictable ones, since a running or
+    # handed-off request locks the radix path it uses (mmserve.engine.scheduler).
+    kv_slots_held: int
+    prefix_cache_tokens: int
+    prefix_queries_tokens: int
+    prefix_hit_tokens: int
+    retractions: int
+    overlap_stages: int
+    overlap_tokens: int
+    state_slots: int = 0  # hybrid models: the state pool
+    state_slots_used: int = 0
+    state_checkpoints: int = 0  # held by the prefix cache
 
 
 @dataclass
@@ -75,11 +103,11 @@ def available_memory_bytes(device: torch.device) -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
-def build_kv_pool(cfg: EngineConfig, model: ModelConfig) -> KVPool:
+def build_kv_pool(cfg: EngineConfig, model: ModelConfig, specs: tuple[LayerSpec, ...]) -> KVPool:
     """`--kv-cache-mb` if given; else room for `max_num_seqs` requests of `max_model_len` tokens each, capped
     at `kv_cache_memory_fraction` of the memory available now (a tiny model gets megabytes, not gigabytes)."""
     device, dtype = torch.device(cfg.device), parse_dtype(cfg.dtype)
-    per_token = KVPool.bytes_per_token(model.num_layers, model.num_kv_heads, model.head_dim, dtype)
+    per_token = KVPool.bytes_per_token(specs, dtype)
     if cfg.kv_cache_mb is not None:
         budget = int(cfg.kv_cache_mb * 1024 * 1024)
     else:
@@ -87,7 +115,23 @@ def build_kv_pool(cfg: EngineConfig, model: ModelConfig) -> KVPool:
         budget = min(cap, per_token * model.max_model_len * cfg.max_num_seqs)
     if budget < per_token:
         raise ValueError(f"KV cache budget of {budget} bytes holds no token ({per_token} bytes per token)")
-    return KVPool.from_budget(budget, model.num_layers, model.num_kv_heads, model.head_dim, dtype, device)
+    return KVPool.from_budget(budget, specs, dtype, device)
+
+
+def build_state_pool(cfg: EngineConfig, specs: tuple[LayerSpec, ...]) -> StatePool | None:
+    """The linear-attention layers' state pool (None for a model without them): `--state-cache-mb` if given;
+    else one running state and one checkpoint per `max_num_seqs` request, capped as the KV budget is."""
+    linear = {i: s for i, s in enumerate(specs) if isinstance(s, LinearStateSpec)}
+    if not linear:
+        return None
+    device, dtype = torch.device(cfg.device), parse_dtype(cfg.dtype)
+    per_state = state_bytes(linear, dtype)
+    if cfg.state_cache_mb is not None:
+        budget = int(cfg.state_cache_mb * 1024 * 1024)
+    else:
+        cap = int(available_memory_bytes(device) * cfg.kv_cache_memory_fraction)
+        budget = max(per_state, min(cap, per_state * 2 * cfg.max_num_seqs))
+    return StatePool.from_budget(budget, linear, dtype, device)
 
 
 class Engine:
@@ -106,14 +150,17 @@ class Engine:
             cfg.cpu_kernels,
             cfg.fp32_gemm,
         )
-        self.pool = build_kv_pool(cfg, self.model_config)
+        specs = self.family.layer_specs
+        self.pool = build_kv_pool(cfg, self.model_config, specs)
+        self.states = build_state_pool(cfg, specs)
         # A decode server never prefills, so a prefix cache would only hold slots (mmserve.disagg).
         no_prefix = cfg.disable_prefix_cache or cfg.disaggregation_mode == "decode"
-        prefix_cache = NoPrefixCache() if no_prefix else RadixCache(self.pool)
+        prefix_cache = NoPrefixCache(self.states) if no_prefix else RadixCache(self.pool, self.states)
         sched_cfg = SchedulerConfig(
             cfg.max_num_batched_tokens, cfg.max_num_seqs, self.model_config.max_model_len
         )
-        self.scheduler = Scheduler(sched_cfg, self.pool, prefix_cache)
+        self.scheduler = Scheduler(sched_cfg, self.pool, prefix_cache, self.states)
+        self.transfer = CacheTransfer(specs, self.pool, self.states)  # a request's cache as bytes (P/D)
         # The structured-output compiler's tokenizer view takes seconds for a real vocabulary: built on a
         # thread from the start, so neither start-up nor the first constrained request waits for all of it.
         self._grammar = concurrent.futures.ThreadPoolExecutor(1, "grammar").submit(self._build_grammar)
@@ -125,13 +172,23 @@ class Engine:
         self.groups: dict[str, list[Request]] = {}  # n > 1: group id -> its choices
         # n > 1: choices that wait until the first choice's prompt is in the prefix cache (prefilled once)
         self.held: dict[str, list[Request]] = {}
+        self.placeholder_ids = frozenset(getattr(self.family, "placeholders", {}).values())
         self.overlap = OverlapStages(self)  # encode-prefill overlap: a request's prompt prefilled in stages
-        per_token = KVPool.bytes_per_token(self.model_config.num_layers, self.model_config.num_kv_heads,
-                                           self.model_config.head_dim, parse_dtype(cfg.dtype))  # fmt: skip
+        per_token = self.kv_bytes_per_token = KVPool.bytes_per_token(specs, parse_dtype(cfg.dtype))
+        kv_layers = sum(s.has_kv for s in specs)
+        kv_mb = self.pool.num_slots * per_token / 2**20
         logger.info(
-            "KV cache: %d tokens, %.1f MB (%d bytes per token); max model len %d",
-            self.pool.num_slots, self.pool.num_slots * per_token / 2**20, per_token, self.model_config.max_model_len,
-        )  # fmt: skip
+            "KV cache: %d tokens, %.1f MB (%d bytes per token, %d of %d layers with KV); max model len %d",
+            *(self.pool.num_slots, kv_mb, per_token, kv_layers, len(specs), self.model_config.max_model_len),
+        )
+        if self.states is not None:
+            states = self.states
+            logger.info(
+                "state cache: %d request states, %.1f MB (%.2f MB each, %d linear-attention layers): running "
+                "requests and prefix-cache checkpoints (--state-cache-mb)",
+                *(states.num_slots, states.num_slots * states.slot_bytes / 2**20, states.slot_bytes / 2**20),
+                len(states.layers),
+            )
 
     # -- requests -------------------------------------------------------------------------------
     def add_request(
@@ -296,6 +353,41 @@ class Engine:
     def has_work(self) -> bool:
         return self.scheduler.has_work
 
+    def prefix_cached_len(self, tokens: list[int]) -> int | None:
+        """How many leading `tokens` (prefix-cache keys) a request would reuse; None without a prefix cache."""
+        if isinstance(self.scheduler.prefix_cache, NoPrefixCache):
+            return None
+        return self.scheduler.prefix_cache.cached_len(tokens)
+
+    def end_stage(self, text: Request) -> None:
+        """An overlap stage's prompt is in the prefix cache: it leaves (its state donated there too)."""
+        self.scheduler.finish(text, "prefilled")
+        self.requests.pop(text.request_id, None)
+
+    @property
+    def is_prefilling(self) -> bool:
+        """Some request waits or still prefills (every running one decoding otherwise)."""
+        return bool(self.scheduler.waiting) or any(r.is_prefill for r in self.scheduler.running)
+
+    def stats(self) -> EngineStats:
+        sched, pool, cache, states = self.scheduler, self.pool, self.scheduler.prefix_cache, self.states
+        return EngineStats(
+            num_running=len(sched.running),
+            num_waiting=len(sched.waiting),
+            kv_slots=pool.num_slots,
+            kv_slots_used=pool.num_used,
+            kv_slots_held=pool.num_used - cache.evictable_tokens,
+            prefix_cache_tokens=cache.total_tokens,
+            prefix_queries_tokens=sched.stats.prefix_queries_tokens,
+            prefix_hit_tokens=sched.stats.prefix_hit_tokens,
+            retractions=sched.stats.retractions,
+            overlap_stages=self.overlap.stages,
+            overlap_tokens=self.overlap.tokens,
+            state_slots=states.num_slots if states is not None else 0,
+            state_slots_used=states.num_used if states is not None else 0,
+            state_checkpoints=cache.num_states,
+        )
+
     # -- one step -------------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
         """One forward over the next batch. Raises BatchFailed (its requests already ended) if the forward or
@@ -316,7 +408,8 @@ class Engine:
             raise BatchFailed(list(dict.fromkeys(failed)), e) from e
 
     def _run(self, chunks: list) -> list[StepOutput]:
-        out = self.runner.forward(chunks, self.pool)
+        out = self.runner.forward(chunks, self.pool, self.states)
+        self.scheduler.finish_step(chunks)  # states advanced, checkpoints into the prefix cache
         for chunk in chunks:  # share finished prompts now, not at the end: concurrent requests reuse them
             if chunk.start < chunk.request.prompt_len <= chunk.end:
                 self.scheduler.cache_prompt(chunk.request)
@@ -403,16 +496,38 @@ class Engine:
         prompt staying in the prefix cache for the next request that shares it."""
         self.scheduler.finish(req, "handoff" if ok else "error")
 
-    def adopt(self, req: Request, slots) -> None:
+    def handoff_cache(self, req: Request) -> tuple[torch.Tensor, int | None]:
+        """Prefill side: a detached request's prompt slots and state slot (held by it until `end_handoff`)."""
+        return req.slot_buffer[: req.prompt_len].clone(), req.state_slot
+
+    def handoff_room(self) -> int:
+        """Decode side: KV slots a new handoff may take, beyond what the running requests may still grow into."""
+        return self.pool.num_free - self.scheduler.outstanding_growth()
+
+    @property
+    def max_request_tokens(self) -> int:
+        """The longest request (prompt + output) this engine can ever hold."""
+        return min(self.pool.num_slots, self.model_config.max_model_len)
+
+    def reserve(self, rows: int, state: bool) -> tuple[torch.Tensor, int | None] | None:
+        """Decode side: slots for a handoff's `rows` KV rows and, with `state`, a state slot (owned by the caller
+        until `adopt` or `unreserve`); None when the pools are short."""
+        return self.scheduler.reserve(rows, state and self.states is not None)
+
+    def unreserve(self, slots: torch.Tensor, state_slot: int | None = None) -> None:
+        self.scheduler.unreserve(slots, state_slot)
+
+    def adopt(self, req: Request, slots, state_slot: int | None = None) -> None:
         """Decode side: a handed-off request (`recomputable=False`, one output token) whose prompt KV is in
-        `slots` (reserved through the scheduler) continues decoding here."""
+        `slots` and whose linear layers' state (hybrid models) is in `state_slot` (reserved through `reserve`)
+        continues decoding here."""
         if req.request_id in self.requests:
             raise ValueError(f"duplicate request id {req.request_id!r}")
         if req.params.structured is not None:  # the matcher's state is rebuilt from the tokens so far
             req.matcher = self.grammar().matcher(req.params.structured)
             for token in req.output_ids:
                 req.matcher.accept(token)
-        self.scheduler.adopt(req, slots)
+        self.scheduler.adopt(req, slots, state_slot)
         self.requests[req.request_id] = req
 
     def take_dropped(self) -> list[Request]:

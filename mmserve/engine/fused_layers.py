@@ -22,8 +22,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from mmserve.engine.attention import AttentionMetadata, attend
+from mmserve.engine.layers.attention import AttentionMetadata, attend
 from mmserve.engine.packed_linear import PackedLinear
+from mmserve.models.layer_specs import AttentionSpec
 
 # HF decoder layers of exactly this shape: pre-norm RMSNorm, q/k/v with bias, no q/k norm, a SiLU-gated MLP.
 FUSABLE_LAYERS = ("Qwen2DecoderLayer", "Qwen2VLDecoderLayer", "Qwen2_5_VLDecoderLayer")
@@ -164,16 +165,29 @@ class DecodeStack:
         return self.text_model.norm(hidden.unsqueeze(0))
 
 
-def fuse_decoder_layers(text_model: torch.nn.Module) -> int:
-    """Replaces every HF decoder layer of the Qwen2 shape in `text_model.layers` with a FusedDecoderLayer, in
-    place (the separate q/k/v and gate/up weights are freed); returns how many. A model with any other layer,
-    or with sliding-window layers, is left as it is: the pool attention serves it through HF's code."""
+def fusable(layer: torch.nn.Module, spec) -> bool:
+    """Whether one decoder layer runs as a FusedDecoderLayer: its kind is plain causal attention over the pool
+    (no window, no item blocks, its own rows) and its code is one whose forward the fused layer reproduces."""
+    return (
+        isinstance(spec, AttentionSpec)
+        and spec.window is None
+        and not spec.bidirectional_items
+        and spec.kv_source is None
+        and type(layer).__name__ in FUSABLE_LAYERS
+    )
+
+
+def fuse_decoder_layers(text_model: torch.nn.Module, specs) -> int:
+    """Replaces, layer by layer, every HF decoder layer of `text_model.layers` that is `fusable` with a
+    FusedDecoderLayer, in place (the separate q/k/v and gate/up weights are freed); returns how many. The other
+    layers stay HF's, over the pool attention (and the state pool), so one layer of another kind leaves the fast
+    path to the rest."""
     layers = getattr(text_model, "layers", None)
-    types = getattr(text_model.config, "layer_types", None) or ["full_attention"]
-    if layers is None or any(t != "full_attention" for t in types):
+    if layers is None:
         return 0
-    if not all(type(layer).__name__ in FUSABLE_LAYERS for layer in layers):
-        return 0
-    for i, layer in enumerate(layers):
-        layers[i] = FusedDecoderLayer(layer)
-    return len(layers)
+    done = 0
+    for i, (layer, spec) in enumerate(zip(layers, specs, strict=True)):
+        if fusable(layer, spec):
+            layers[i] = FusedDecoderLayer(layer)
+            done += 1
+    return done

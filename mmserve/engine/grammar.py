@@ -34,7 +34,7 @@ import llguidance.torch
 import numpy as np
 import torch
 
-from mmserve.engine.sampling_params import StructuredOutputs
+from mmserve.sampling_params import StructuredOutputs
 
 # Fixed separators and no flexible whitespace; forced over any "x-guidance" options inside a user's schema.
 _COMPACT_JSON = {"whitespace_flexible": False}

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mmserve.engine.sampling_params import SamplingParams
+from mmserve.sampling_params import SamplingParams
 
 
 @dataclass

@@ -10,21 +10,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-import msgspec
+from mmserve.logprobs import TokenLogprobs
 
-# The wire schema (transport/messages) holds TokenLogprobs: importing it must not load torch (CLI start-up).
 if TYPE_CHECKING:
     import torch
-
-
-class TokenLogprobs(msgspec.Struct, array_like=True, frozen=True):
-    """One position: the chosen token's logprob and rank (1 = most likely), and the top-k alternatives."""
-
-    token_id: int
-    logprob: float
-    rank: int
-    top_ids: list[int]
-    top_logprobs: list[float]
 
 
 def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, ks: Sequence[int]) -> list[TokenLogprobs]:

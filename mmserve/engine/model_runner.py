@@ -11,15 +11,18 @@ known tokens (the rows that are sampled).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from mmserve.config import ModelConfig
-from mmserve.engine.attention import AttentionMetadata, SeqAttention, register_attention
+from mmserve.engine.cache.kv_pool import KVPool
+from mmserve.engine.cache.state_pool import StatePool
 from mmserve.engine.cpu_kernels import kernels_for
 from mmserve.engine.fused_layers import DecodeStack, fuse_decoder_layers
-from mmserve.engine.kv_pool import KVPool
+from mmserve.engine.layers import check_runnable
+from mmserve.engine.layers.attention import AttentionMetadata, SeqAttention, register_attention
+from mmserve.engine.layers.linear_state import StateMetadata, StateSegment, wrap_linear_layers
 from mmserve.engine.packed_linear import PackedLinear, can_pack, pack_linears
 from mmserve.engine.request import Request
 from mmserve.models.family import ModelFamily
@@ -32,6 +35,8 @@ class ScheduledChunk:
     request: Request
     start: int  # compute tokens [start, end) of request.token_ids
     end: int
+    # hybrid models: (position p, state slot) for the state after token p - 1, taken inside this chunk
+    checkpoints: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -62,6 +67,7 @@ class ModelRunner:
         cpu_kernels: bool = True,
         fp32_gemm: str = "auto",
     ) -> None:
+        check_runnable(family.layer_specs)  # a layer kind the engine cannot run is refused, never approximated
         lm = family.load_language_model(parse_dtype(dtype), register_attention())
         self.family = family
         self.config = model_config
@@ -70,15 +76,22 @@ class ModelRunner:
         self.language_model = lm.model.to(self.device)
         self.embed_tokens = self.language_model.get_input_embeddings()
         self.lm_head = lm.lm_head.to(self.device)
-        self.fused_layers = fuse_decoder_layers(self.language_model) if fuse_layers else 0
+        self.linear_layers = wrap_linear_layers(self.language_model, family.layer_specs)
+        self.fused_layers = fuse_decoder_layers(self.language_model, family.layer_specs) if fuse_layers else 0
         self.kernels = kernels_for(self.device, self.dtype, cpu_kernels)  # None: the eager ops
         self.packed = pack_weights and can_pack(self.dtype, self.device, fp32_gemm)
         if self.packed:  # oneDNN's layout once, not on every call (bf16: bitwise the same outputs)
             pack_linears(self.language_model)
             self.lm_head = PackedLinear(self.lm_head)
-        # Pure decode steps run every fused layer in one op, over the weights in their final form.
-        fused_kernels = self.fused_layers and self.kernels is not None
+        # Pure decode steps run every layer in one op when all are fused, over the weights in their final form.
+        fused_kernels = self.fused_layers == len(family.layer_specs) and self.kernels is not None
         self.decode_stack = DecodeStack(self.language_model, self.kernels) if fused_kernels else None
+
+    @staticmethod
+    def _segment(chunk: ScheduledChunk, row: int) -> StateSegment:
+        _check_state(chunk)
+        cuts = [(p - chunk.start, slot) for p, slot in chunk.checkpoints]
+        return StateSegment(row, chunk.num_tokens, chunk.request.state_slot, chunk.start == 0, cuts)
 
     def positions(self, request: Request, start: int, end: int) -> torch.Tensor:
         """Position ids (rows, n) of tokens [start, end)."""
@@ -93,8 +106,11 @@ class ModelRunner:
         return torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
 
     @torch.no_grad()
-    def forward(self, chunks: list[ScheduledChunk], pool: KVPool) -> ForwardOutput:
-        """KV of every chunk token is written to the pool; returns the logits (num_sampling_chunks, vocab) of
+    def forward(
+        self, chunks: list[ScheduledChunk], pool: KVPool, states: StatePool | None = None
+    ) -> ForwardOutput:
+        """KV of every chunk token is written to the pool, and the linear layers' state of each request advanced in
+        `states` (checkpoints copied where the chunks ask); returns the logits (num_sampling_chunks, vocab) of
         the sampled rows (model dtype: the sampler casts only what it must), and the logits of the prompt rows
         of requests that want `prompt_logprobs`.
 
@@ -109,11 +125,14 @@ class ModelRunner:
         ] = []  # (chunk index, first row, rows) predicting prompt tokens
         extra_positions: list[torch.Tensor] = []
         extra_rows: dict[str, list[torch.Tensor]] = {}
+        segments: list[StateSegment] = []
         row = 0
         for i, chunk in enumerate(chunks):
             if i in is_decode:
                 continue
             req, n = chunk.request, chunk.num_tokens
+            if states is not None:
+                segments.append(self._segment(chunk, row))
             ids = torch.tensor(req.token_ids[chunk.start : chunk.end], dtype=torch.int64, device=self.device)
             extras = ChunkExtras() if self.family.extra_dims else None
             embeds.append(splice_chunk(ids, chunk.start, self.embed_tokens, req.embeddings, extras))
@@ -145,6 +164,14 @@ class ModelRunner:
         meta = AttentionMetadata.build(
             pool.k_cache, pool.v_cache, torch.cat(new_slots).to(self.device), seqs, self.device, self.kernels
         )
+        if states is not None:
+            meta.state = StateMetadata(states, segments)
+            if decodes:
+                reqs = [chunks[i].request for i in decodes]
+                for i in decodes:
+                    _check_state(chunks[i])
+                meta.state.decode_rows = slice(row - len(decodes), row)
+                meta.state.decode_slots = torch.tensor([r.state_slot for r in reqs], device=self.device)
         inputs = torch.cat(embeds).unsqueeze(0).to(self.device, self.dtype)  # (1, T, hidden)
         pos = torch.cat(positions, dim=1).to(self.device)  # (rows, T)
         # HF text models take (batch, T) for plain RoPE and (3, batch, T) for M-RoPE.
@@ -168,3 +195,14 @@ class ModelRunner:
         else:
             picked = last[sample_rows]
         return ForwardOutput(self.lm_head(picked), prompt_logits)
+
+
+def _check_state(chunk: ScheduledChunk) -> None:
+    """A chunk must start where its request's state stands: anything else is a bookkeeping bug that would give
+    wrong tokens silently."""
+    req = chunk.request
+    if req.state_slot is None or req.state_pos != chunk.start:
+        raise RuntimeError(
+            f"request {req.request_id}: its linear-attention state stands at {req.state_pos}, "
+            f"the chunk starts at {chunk.start}"
+        )

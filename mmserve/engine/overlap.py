@@ -10,25 +10,22 @@ when the running one ends. The request itself, added with all its items, is held
 depend on no later item. What the stages computed is its own work, not a prefix-cache hit
 (`Request.own_prefill_tokens`).
 
-Owned by the Engine; single-threaded (the engine loop).
+Owned by the Engine, which it sees only through `StageHost` (what it calls of it); single-threaded (the engine
+loop).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from mmserve.engine.cache_salt import prefix_key
-from mmserve.engine.radix_cache import NoPrefixCache
 from mmserve.engine.request import TEXT_PREFILL_SUFFIX, Request, choice_id, text_prefill_id
-from mmserve.engine.sampling_params import SamplingParams
 from mmserve.models.family import EmbeddingMismatch
 from mmserve.multimodal.errors import MediaError
 from mmserve.multimodal.items import ItemEmbedding
-
-if TYPE_CHECKING:
-    from mmserve.engine.engine import Engine
+from mmserve.sampling_params import SamplingParams
 
 MIN_OVERLAP_TOKENS = 16  # shorter text before the first item is not worth an extra request
 
@@ -42,8 +39,29 @@ class Stage:
     cache_salt: str | None
 
 
+class StageHost(Protocol):
+    """What the stages need of their engine."""
+
+    requests: dict[str, Request]
+    placeholder_ids: frozenset[int]  # the family's placeholder tokens: where items start in a prompt
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        items: list[ItemEmbedding],
+        cache_salt: str | None = None,
+        handoff=None,
+        prefill_only: bool = False,
+    ) -> Request: ...
+    def abort(self, request_id: str, reason: str = "abort") -> None: ...
+    def prefix_cached_len(self, tokens: list[int]) -> int | None: ...  # None: no prefix cache
+    def end_stage(self, text: Request) -> None: ...  # a stage's prompt is cached: it leaves the engine
+
+
 class OverlapStages:
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: StageHost) -> None:
         self.engine = engine
         # request id -> prompt tokens its finished stages computed, until the request is added
         self.prefilled: dict[str, int] = {}
@@ -62,16 +80,14 @@ class OverlapStages:
         order: those ready). Returns whether a stage was started or is waiting: not for a short text, an
         already cached one, a request already added, or without a prefix cache."""
         engine = self.engine
-        placeholders = set(getattr(engine.family, "placeholders", {}).values())
-        starts = [i for i, t in enumerate(prompt_token_ids) if t in placeholders]
-        cache = engine.scheduler.prefix_cache
+        starts = [i for i, t in enumerate(prompt_token_ids) if t in engine.placeholder_ids]
         added = request_id in engine.requests or choice_id(request_id, 0) in engine.requests
-        if len(items) >= len(starts) or isinstance(cache, NoPrefixCache) or added:
+        if len(items) >= len(starts) or engine.prefix_cached_len([]) is None or added:
             return False
         cut = starts[len(items)]
         text = prompt_token_ids[:cut]
         if not items and (
-            cut < MIN_OVERLAP_TOKENS or cache.cached_len(prefix_key(text, cache_salt)) >= cut - 1
+            cut < MIN_OVERLAP_TOKENS or engine.prefix_cached_len(prefix_key(text, cache_salt)) >= cut - 1
         ):
             return False
         stage = Stage(text, list(items), cache_salt)
@@ -113,8 +129,7 @@ class OverlapStages:
     def finished(self, text: Request) -> None:
         """A stage's prompt is in the prefix cache: credit its owner, and start the stage that waits."""
         engine = self.engine
-        engine.scheduler.finish(text, "prefilled")
-        engine.requests.pop(text.request_id, None)
+        engine.end_stage(text)
         owner_id = text.request_id.removesuffix(TEXT_PREFILL_SUFFIX)
         computed = max(0, text.prompt_len - text.num_cached_tokens - text.own_prefill_tokens)
         self.stages += 1

@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 import torch
 
 from mmserve.engine.cache_salt import prefix_key
-from mmserve.engine.sampling_params import SamplingParams
 from mmserve.multimodal.embedding import PlacedEmbedding
 from mmserve.multimodal.items import MultimodalItem
+from mmserve.sampling_params import SamplingParams
 
 TEXT_PREFILL_SUFFIX = "~text"
 
@@ -70,6 +70,10 @@ class Request:
     num_cached_tokens: int = 0  # prompt tokens reused from the prefix cache at first admission
     prefix_handle: object | None = None  # locked radix node while running
     decode_run: list[int] = field(default_factory=list)  # slots taken for its next decode tokens (Scheduler)
+    # Hybrid models: its linear-attention state (a StatePool slot) and the position it stands at (0: empty, the
+    # sequence not started; None: unknown after a failed step, so never donated to the prefix cache)
+    state_slot: int | None = None
+    state_pos: int | None = None
     num_retractions: int = 0
     passed_over: int = 0  # steps it wanted prefill budget and got none, until its prefill completes (aging)
     uncached_estimate: int | None = None  # waiting: tokens left after its prefix cache hit, estimated once

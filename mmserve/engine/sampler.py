@@ -14,8 +14,9 @@ from dataclasses import dataclass
 import torch
 
 from mmserve.engine.logits_processors import RowState, needs_processing, process_logits
-from mmserve.engine.logprobs import TokenLogprobs, token_logprobs
-from mmserve.engine.sampling_params import SamplingParams
+from mmserve.engine.logprobs import token_logprobs
+from mmserve.logprobs import TokenLogprobs
+from mmserve.sampling_params import SamplingParams
 
 
 def make_generator(params: SamplingParams) -> torch.Generator | None:

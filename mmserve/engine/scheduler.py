@@ -31,6 +31,20 @@ Prefill-decode disaggregation (mmserve.disagg) adds two holders:
 An adopted request cannot be recomputed (its embeddings stayed on the prefill server): retracting one fails it
 (`take_dropped`); the decode server admits handoffs only when they fit to the end (`outstanding_growth`).
 
+Models with linear-attention layers (hybrids: Qwen3.5) also hold a state per request (mmserve.engine.cache.
+state_pool): their KV alone cannot resume a sequence. So
+| holder                | owns                                               | released by                        |
+| request               | its running state slot (`state_slot`), at position `state_pos` | `_release`: donated to the prefix cache as a checkpoint at `num_computed`, or freed |
+| chunk (this step)     | the checkpoint slots it fills (`checkpoints`)      | the step's end: inserted into the prefix cache (or freed on failure / retraction) |
+| prefix cache          | one state per checkpoint node                      | `evict` / `evict_states` / `reset` |
+| detached request, reservation | the state slot being sent / received       | as their KV slots                  |
+A hit resumes at the deepest checkpoint (the prefix cache's `match`), whose state is copied into the request's
+slot. Checkpoints are taken where hits come from (`checkpoint_positions`): each item's start and end, the
+prompt's last token but one (repeats, n > 1 siblings), and at the end by donation (multi-turn, a retracted
+request, an overlap stage's text). Checkpoints take free slots or replace the least recently used one; a request
+being admitted takes a checkpoint's slot when none is free. A checkpoint is skipped when requests hold every
+slot: correctness never depends on one.
+
 The prefix cache is keyed by `Request.cache_key`, the token ids scoped by the request's cache salt (in the
 first position only; see mmserve.engine.cache_salt), never by the ids themselves.
 """
@@ -43,9 +57,10 @@ from dataclasses import dataclass
 
 import torch
 
-from mmserve.engine.kv_pool import KVPool
+from mmserve.engine.cache.kv_pool import KVPool
+from mmserve.engine.cache.radix_cache import PrefixCache
+from mmserve.engine.cache.state_pool import StatePool
 from mmserve.engine.model_runner import ScheduledChunk
-from mmserve.engine.radix_cache import PrefixCache
 from mmserve.engine.request import Request, RequestStatus
 
 LOOKAHEAD = 16  # waiting requests considered per step (beyond them: first come, first served)
@@ -68,17 +83,22 @@ class SchedulerStats:
     prefix_queries_tokens: int = 0  # prompt tokens looked up in the prefix cache
     prefix_hit_tokens: int = 0  # of which found
     retractions: int = 0
+    checkpoints: int = 0  # hybrid models: states saved for prefix hits (donations at the end not counted)
 
 
 class Scheduler:
-    def __init__(self, cfg: SchedulerConfig, pool: KVPool, prefix_cache: PrefixCache) -> None:
+    def __init__(
+        self, cfg: SchedulerConfig, pool: KVPool, prefix_cache: PrefixCache, states: StatePool | None = None
+    ) -> None:
         self.cfg = cfg
         self.pool = pool
         self.prefix_cache = prefix_cache
+        self.states = states  # None: every layer is attention, KV is all a request needs
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.detached: dict[str, Request] = {}  # prefill: KV being handed off
         self.reserved = 0  # decode: slots held by handoff reservations
+        self.reserved_states = 0  # decode: state slots held by handoff reservations
         self.dropped: list[Request] = []  # not recomputable, retracted: the owner reports their failure
         self.stats = SchedulerStats()
 
@@ -162,16 +182,26 @@ class Scheduler:
 
     def _admit(self, req: Request, budget: int, batch: dict[str, ScheduledChunk]) -> bool:
         first_time = req.first_scheduled_time is None
+        # Hybrids: the state slot first, since taking one may evict checkpoints; not the one `match` returns.
+        state_slot = self._state_slot() if self.states is not None else None
+        if self.states is not None and state_slot is None:  # no state: like no memory, wait for one to end
+            return False
         lookup = req.cache_key(len(req.token_ids) - 1)  # the last token is always computed: logits needed
         if req.params.prompt_logprobs is not None:  # every prompt row's logits are needed: compute them all
             lookup = []
         match = self.prefix_cache.match(lookup)
         self.prefix_cache.lock(match.handle)
         n = min(req.remaining - match.num_tokens, budget)
-        slots = self._alloc(n)
+        slots = self._alloc(n)  # may evict unlocked leaves: never the locked match, whose state stays
         if slots is None:
             self.prefix_cache.unlock(match.handle)
+            if state_slot is not None:
+                self.states.free(state_slot)
             return False
+        if state_slot is not None:  # resume at the checkpoint the hit ends at (the empty state: from scratch)
+            if match.state is not None:
+                self.states.copy_(match.state, state_slot)
+            req.state_slot, req.state_pos = state_slot, match.num_tokens
         self.pool.ref(match.slots)
         req.prefix_handle = match.handle
         req.slot_buffer[: match.num_tokens] = match.slots
@@ -203,7 +233,57 @@ class Scheduler:
         start = req.num_computed
         req.slot_buffer[start : start + slots.numel()] = slots
         req.num_computed += slots.numel()
-        batch[req.request_id] = ScheduledChunk(req, start, req.num_computed)
+        chunk = ScheduledChunk(req, start, req.num_computed)
+        if self.states is not None and self.prefix_cache.keeps_states:
+            for p in self.checkpoint_positions(req, start, req.num_computed):
+                slot = self._state_slot()
+                if slot is None:
+                    break
+                chunk.checkpoints.append((p, slot))
+                self.stats.checkpoints += 1
+        batch[req.request_id] = chunk
+
+    # -- state checkpoints (hybrid models) ----------------------------------------------------------
+    @staticmethod
+    def checkpoint_positions(req: Request, start: int, end: int) -> list[int]:
+        """Positions p in (start, end] after which a chunk of `req` saves its state for prefix hits: every item's
+        start and end (same system prompt + another image; same image + another question; overlap stages end
+        at item starts) and the prompt's last token but one (a repeat and n > 1 siblings look up all but the last
+        token). The end of what a request computed is saved by donation when it leaves (`_release`)."""
+        wanted = {req.prompt_len - 1}
+        for item in req.items:
+            wanted.update((item.offset, item.end))
+        return sorted(p for p in wanted if start < p <= end and p < req.prompt_len)
+
+    def _state_holders(self) -> int:
+        """State slots held by requests (running, handed off, reserved), not by the prefix cache."""
+        running = sum(r.state_slot is not None for r in self.running)
+        detached = sum(r.state_slot is not None for r in self.detached.values())
+        return running + detached + self.reserved_states
+
+    def _state_slot(self) -> int | None:
+        """A free state slot, else the least recently used checkpoint's (None when requests hold them all)."""
+        slot = self.states.alloc()
+        if slot is None and self.prefix_cache.evict_states(1) > 0:
+            slot = self.states.alloc()
+        return slot
+
+    def finish_step(self, chunks: list[ScheduledChunk]) -> None:
+        """The step's forward succeeded: each chunk's state now stands at its end, and its checkpoints go into the
+        prefix cache (which takes their slots)."""
+        for chunk in chunks:
+            req = chunk.request
+            if req.state_slot is None:
+                continue
+            req.state_pos = chunk.end
+            for p, slot in chunk.checkpoints:
+                self.prefix_cache.insert(req.cache_key(p), req.slot_buffer[:p], slot)
+            chunk.checkpoints = []
+
+    def _drop_checkpoints(self, chunk: ScheduledChunk) -> None:
+        for _, slot in chunk.checkpoints:
+            self.states.free(slot)
+        chunk.checkpoints = []
 
     def _next_decode_slot(self, req: Request) -> int | None:
         """The next slot of the request's decode run, taking a new run (free or evicted slots, never another
@@ -245,7 +325,8 @@ class Scheduler:
         """Insert a running request's whole prompt (its KV is now written) into the prefix cache and move the
         request's lock to the new path, so requests arriving meanwhile reuse it instead of recomputing it."""
         prompt = req.cache_key(req.prompt_len)
-        self.prefix_cache.insert(prompt, req.slot_buffer[: req.prompt_len])
+        if not self.prefix_cache.keeps_states:  # a state tree holds the prompt through its checkpoints
+            self.prefix_cache.insert(prompt, req.slot_buffer[: req.prompt_len])
         match = self.prefix_cache.match(prompt)
         self.prefix_cache.lock(match.handle)
         if req.prefix_handle is not None:
@@ -260,25 +341,43 @@ class Scheduler:
         req.status = RequestStatus.HANDOFF
         self.detached[req.request_id] = req
 
-    def reserve(self, n: int) -> torch.Tensor | None:
-        """Decode side: `n` slots for a handoff's rows (evicting the prefix cache if need be), or None."""
+    def reserve(self, n: int, state: bool = False) -> tuple[torch.Tensor, int | None] | None:
+        """Decode side: `n` slots for a handoff's rows (evicting the prefix cache if need be) and, with `state`,
+        a state slot for its linear layers' state; None when either is short."""
+        state_slot = None
+        if state:
+            state_slot = self._state_slot()
+            if state_slot is None:
+                return None
         slots = self._alloc(n)
-        if slots is not None:
-            self.reserved += n
-        return slots
+        if slots is None:
+            if state_slot is not None:
+                self.states.free(state_slot)
+            return None
+        self.reserved += n
+        self.reserved_states += state_slot is not None
+        return slots, state_slot
 
-    def unreserve(self, slots: torch.Tensor) -> None:
+    def unreserve(self, slots: torch.Tensor, state_slot: int | None = None) -> None:
         self.reserved -= slots.numel()
         self.pool.free(slots)
+        if state_slot is not None:
+            self.reserved_states -= 1
+            self.states.free(state_slot)
 
-    def adopt(self, req: Request, slots: torch.Tensor) -> None:
+    def adopt(self, req: Request, slots: torch.Tensor, state_slot: int | None = None) -> None:
         """Decode side: a handed-off request joins the running set with `slots` (reserved, now written) as the
-        KV of its prompt; its sampled first token is computed by the next step, as after a local prefill."""
+        KV of its prompt (and `state_slot`, its state after the prompt); its sampled first token is computed by
+        the next step, as after a local prefill."""
         n = slots.numel()
         assert n == req.prompt_len and len(req.output_ids) == 1, (n, req.prompt_len, req.output_ids)
+        assert (state_slot is None) == (self.states is None), "a hybrid model's request needs its state"
         self.reserved -= n
         req.slot_buffer[:n] = slots
         req.num_computed = n
+        if state_slot is not None:
+            self.reserved_states -= 1
+            req.state_slot, req.state_pos = state_slot, n
         req.first_scheduled_time = req.first_scheduled_time or time.perf_counter()
         req.status = RequestStatus.RUNNING
         self.running.append(req)
@@ -299,6 +398,7 @@ class Scheduler:
         if chunk is not None:  # its KV for this step is not written yet: un-schedule it
             self.pool.free(req.slot_buffer[chunk.start : chunk.end])
             req.num_computed = chunk.start
+            self._drop_checkpoints(chunk)
         if not req.recomputable:
             self.finish(req, "error")
             self.dropped.append(req)
@@ -315,11 +415,13 @@ class Scheduler:
         """End a request whose step failed. This step's KV may be garbage: its slots are freed uncached, and
         only the tokens computed by earlier (successful) steps can enter the prefix cache."""
         req = chunk.request
+        self._drop_checkpoints(chunk)
         if req.finished:
             return
         if req.status == RequestStatus.RUNNING and req.num_computed == chunk.end:
             self.pool.free(req.slot_buffer[chunk.start : chunk.end])
             req.num_computed = chunk.start
+        req.state_pos = None  # the forward may have advanced some layers' state: it resumes nowhere
         self.finish(req, "error")
 
     def finish(self, req: Request, reason: str) -> None:
@@ -341,7 +443,15 @@ class Scheduler:
     def _release(self, req: Request) -> None:
         self._return_run(req)
         computed = req.num_computed
-        if computed:
+        if req.state_slot is not None:  # donated as the checkpoint at `computed` if it stands there, else freed
+            if computed and req.state_pos == computed:
+                self.prefix_cache.insert(req.cache_key(computed), req.slots, req.state_slot)
+            else:
+                self.states.free(req.state_slot)
+            req.state_slot = req.state_pos = None
+            if computed:
+                self.pool.free(req.slots)
+        elif computed:
             self.prefix_cache.insert(req.cache_key(computed), req.slots)
             self.pool.free(req.slots)
         if req.prefix_handle is not None:
@@ -356,6 +466,12 @@ class Scheduler:
         assert all(r.status == RequestStatus.RUNNING for r in self.running)
         assert all(r.status == RequestStatus.HANDOFF for r in self.detached.values())
         assert self.reserved >= 0, self.reserved
+        if self.states is not None:
+            self.states.check_integrity()
+            assert all(r.state_slot is None for r in self.waiting)
+            assert all(r.state_slot is not None for r in self.running)
+            held = self._state_holders() + self.prefix_cache.num_states
+            assert self.states.num_used == held, (self.states.num_used, held)
         if not self.running and not self.detached:
             assert self.pool.num_used == self.prefix_cache.total_tokens + self.reserved, (
                 self.pool.num_used,

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 if TYPE_CHECKING:
     import torch
 
+from mmserve.models.layer_specs import LayerSpec
 from mmserve.multimodal.items import MAIN, ExpandedPrompt, ItemEmbedding, Modality, TowerInput
 
 # HF model_type -> module in mmserve.models
@@ -31,6 +32,9 @@ FAMILIES: dict[str, str] = {
     "qwen2_vl": "qwen2_vl",
     "qwen2_5_vl": "qwen2_vl",
     "qwen3_vl": "qwen3_vl",
+    "qwen3_vl_moe": "qwen3_vl",  # Qwen3-VL with sparse MoE blocks: nothing else differs for serving
+    "qwen3_5": "qwen3_5",
+    "qwen3_5_moe": "qwen3_5",
     "llava_onevision": "llava_onevision",
     "qwen2_audio": "qwen2_audio",
 }
@@ -62,6 +66,9 @@ class ModelFamily(Protocol):
     extra_dims: dict[str, int]  # name -> width of every row-aligned extra tensor each item carries
     position_rows: int  # 3 for M-RoPE position ids (3, T), 1 for plain RoPE (T,)
     audio_sample_rate_hz: int | None  # the rate audio is decoded at, for audio families
+    # What every decoder layer keeps (mmserve.models.layer_specs): drives the pools, the scheduler, the prefix
+    # cache, the kernels and the P/D layout.
+    layer_specs: tuple[LayerSpec, ...]
 
     # -- processor ------------------------------------------------------------------------------------
     def item_settings(self, modalities: Sequence[Modality]) -> list[dict[str, Any]]:

@@ -50,6 +50,7 @@ from mmserve.models.family import (
     expand_placeholders,
     sequential_positions,
 )
+from mmserve.models.layer_specs import layer_specs_from_hf
 from mmserve.multimodal.errors import MediaDecodeError, UnsupportedMediaError
 from mmserve.multimodal.items import MAIN, ExpandedPrompt, ItemEmbedding, Modality, TowerInput
 
@@ -208,6 +209,7 @@ class Family:
             Modality.VIDEO: hf_config.video_token_id,
         }
         self.hidden_size = hf_config.text_config.hidden_size
+        self.layer_specs = layer_specs_from_hf(hf_config.get_text_config())
         vision = hf_config.vision_config
         self.patches_per_side = vision.image_size // vision.patch_size  # of one tile: P = patches_per_side^2
         self.strategy = hf_config.vision_feature_select_strategy

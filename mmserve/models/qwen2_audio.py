@@ -33,6 +33,7 @@ from mmserve.models.family import (
     expand_placeholders,
     sequential_positions,
 )
+from mmserve.models.layer_specs import layer_specs_from_hf
 from mmserve.multimodal.errors import MediaDecodeError, MediaTooLargeError, UnsupportedMediaError
 from mmserve.multimodal.items import MAIN, ExpandedPrompt, ItemEmbedding, Modality, TowerInput
 
@@ -141,6 +142,7 @@ class Family:
         self.audio_sample_rate_hz = int(fe.sampling_rate)
         self.placeholders = {Modality.AUDIO: hf_config.audio_token_id}
         self.hidden_size = hf_config.get_text_config().hidden_size
+        self.layer_specs = layer_specs_from_hf(hf_config.get_text_config())
 
     # -- processor ------------------------------------------------------------------------------------
     def item_settings(self, modalities: Sequence[Modality]) -> list[dict[str, Any]]:

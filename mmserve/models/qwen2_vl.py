@@ -6,8 +6,9 @@ processor (with the video pixel limits), then frames are paired along the tempor
 `pixel_values_videos` layout of HF: rows ordered (t, h/m, w/m, m_h, m_w), columns (C, t_patch, p_h, p_w).
 
 Checkpoint keys come in two layouts: the original one (`model.layers...`, `visual....`, `lm_head.weight`) and
-transformers 5's (`model.language_model...`, `model.visual...`); both are accepted. With tied embeddings the
-checkpoint has no `lm_head.weight` and the head shares the input embedding.
+transformers 5's (`model.language_model...`, `model.visual...`); both load, through transformers' own renames
+(`mmserve.models.weights.load_parts`). With tied embeddings the checkpoint has no `lm_head.weight` and the head
+shares the input embedding.
 """
 
 from __future__ import annotations
@@ -26,12 +27,9 @@ from PIL import Image
 
 from mmserve.models import weights
 from mmserve.models.family import EmbeddingMismatch, LanguageModel, check_tensors, expand_placeholders
+from mmserve.models.layer_specs import layer_specs_from_hf
 from mmserve.multimodal.errors import MediaDecodeError, UnsupportedMediaError
 from mmserve.multimodal.items import MAIN, ExpandedPrompt, ItemEmbedding, Modality, TowerInput
-
-LM_PREFIXES = ("model.language_model.", "model.")
-VISION_PREFIXES = ("model.visual.", "visual.")
-HEAD_PREFIXES = ("lm_head.",)
 
 
 @dataclass(frozen=True)
@@ -112,20 +110,6 @@ def preprocess_config_from_dir(path: str, overrides: Mapping[str, Any], defaults
     return VisionPreprocessConfig(**values)
 
 
-def _classes(model_type: str):
-    if model_type == "qwen2_vl":
-        from transformers.models.qwen2_vl.modeling_qwen2_vl import (
-            Qwen2VisionTransformerPretrainedModel as Vision,
-        )
-        from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VLTextModel as Text
-    else:
-        from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
-            Qwen2_5_VisionTransformerPretrainedModel as Vision,
-        )
-        from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLTextModel as Text
-    return Text, Vision
-
-
 class Family:
     """Qwen2-VL and Qwen2.5-VL (see module docstring); the base of Qwen3-VL."""
 
@@ -134,6 +118,7 @@ class Family:
     extra_dims: dict[str, int] = {}
     audio_sample_rate_hz = None
     default_preprocess = VisionPreprocessConfig()
+    linear_attention_class: str | None = None  # the transformers class of its linear-attention layers (Qwen3.5)
 
     def __init__(self, path: str, hf_config, mm_processor_kwargs: Mapping[str, Any]) -> None:
         self.path = path
@@ -147,6 +132,7 @@ class Family:
         vision = hf_config.vision_config
         self.spatial_merge_size = vision.spatial_merge_size
         self.hidden_size = hf_config.get_text_config().hidden_size
+        self.layer_specs = layer_specs_from_hf(hf_config.get_text_config(), self.linear_attention_class)
         # Qwen2.5-VL spaces video temporal positions by real time; Qwen2-VL (None) by grid index.
         self.tokens_per_second = (
             getattr(vision, "tokens_per_second", None) if self.model_type == "qwen2_5_vl" else None
@@ -333,25 +319,11 @@ class Family:
     # -- weights and forward --------------------------------------------------------------------------
     def load_language_model(self, dtype: torch.dtype, attn_implementation: str) -> LanguageModel:
         return weights.load_language_model(
-            self.path,
-            self.hf_config,
-            dtype,
-            attn_implementation,
-            prefixes=LM_PREFIXES,
-            exclude=VISION_PREFIXES + HEAD_PREFIXES,
-            head_prefixes=HEAD_PREFIXES,
-            text_cls=self.classes[0],
+            self.path, self.hf_config, dtype, attn_implementation, "model.language_model"
         )
 
-    @property
-    def classes(self) -> tuple[type, type]:
-        """(text model class, vision tower class): the original ones, whose checkpoint keys we load."""
-        return _classes(self.model_type)
-
     def load_tower(self, dtype: torch.dtype) -> torch.nn.Module:
-        visual = weights.build_empty(self.hf_config.vision_config, dtype, "sdpa", self.classes[1])
-        weights.load_into(visual, dict(weights.iter_prefixed(self.path, VISION_PREFIXES)), "vision tower")
-        return visual.eval()
+        return weights.load_submodule(self.path, self.hf_config, dtype, "model.visual")
 
     def encode(self, tower: torch.nn.Module, batch: list[TowerInput]) -> list[dict[str, torch.Tensor]]:
         device = next(tower.parameters()).device

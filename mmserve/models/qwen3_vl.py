@@ -94,9 +94,8 @@ class Family(qwen2_vl.Family):
     def __init__(self, path: str, hf_config, mm_processor_kwargs: Mapping[str, Any]) -> None:
         super().__init__(path, hf_config, mm_processor_kwargs)
         vision = hf_config.vision_config
-        self.extra_dims = {
-            DEEPSTACK.format(k): vision.out_hidden_size for k in range(len(vision.deepstack_visual_indexes))
-        }
+        levels = getattr(vision, "deepstack_visual_indexes", None) or []  # Qwen3.5's tower has none
+        self.extra_dims = {DEEPSTACK.format(k): vision.out_hidden_size for k in range(len(levels))}
         self.vision_start_id = hf_config.vision_start_token_id
         self.vision_end_id = hf_config.vision_end_token_id
         self.tokens_per_second = None
@@ -224,19 +223,14 @@ class Family(qwen2_vl.Family):
         return finish_positions(segments, cursor, pos, len(ids))
 
     # -- weights and forward --------------------------------------------------------------------------
-    @property
-    def classes(self) -> tuple[type, type]:
-        from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLTextModel, Qwen3VLVisionModel
-
-        return Qwen3VLTextModel, Qwen3VLVisionModel
-
     def encode(self, tower: torch.nn.Module, batch: list[TowerInput]) -> list[dict[str, torch.Tensor]]:
         device = next(tower.parameters()).device
         pixels = torch.cat([it.tensors["pixel_values"] for it in batch]).to(device, tower.dtype)
         grid = torch.tensor([self.meta(it.metadata).grid_thw for it in batch], device=device)
         out = tower(pixels, grid_thw=grid)
         sizes = [it.num_tokens for it in batch]
-        levels = [torch.split(feature, sizes) for feature in out.deepstack_features]  # per level, per item
+        features = getattr(out, "deepstack_features", None) or []
+        levels = [torch.split(feature, sizes) for feature in features]  # per level, per item
         return [
             {MAIN: main.clone(), **{DEEPSTACK.format(k): level[i].clone() for k, level in enumerate(levels)}}
             for i, main in enumerate(torch.split(out.pooler_output, sizes))

@@ -1,7 +1,10 @@
-"""Load part of a safetensors checkpoint into a module, by key prefix, failing loudly on mismatches.
+"""Load part of a safetensors checkpoint, failing loudly on mismatches.
 
-Used to load only the language model (language-only engines) or only the tower (encoder services):
-the other half's tensors are never read.
+Used to load only the language model (language-only engines) or only the tower (encoder services): the other
+half's tensors are never read. `load_parts` goes through transformers' own loading and conversion rules (renames of
+older layouts, MoE expert fusion, transposes: what `from_pretrained` applies), for the language models of every
+family and the towers that are transformers models; `iter_prefixed` / `load_into` load a family's own tower
+modules by key prefix.
 """
 
 from __future__ import annotations
@@ -79,37 +82,104 @@ def tied_embeddings(hf_config) -> bool:
     )
 
 
-def load_language_model(
-    path: str,
-    hf_config,
-    dtype: torch.dtype,
-    attn_implementation: str,
-    prefixes: Sequence[str],
-    exclude: Sequence[str],
-    head_prefixes: Sequence[str],
-    text_cls=None,
-):
-    """The text model (of `text_cls`, default its AutoModel class) and its head, from the checkpoint in `path`.
+def composite_class(hf_config):
+    """transformers' class of the whole checkpoint (towers and language model), as `AutoModelForMultimodalLM`
+    picks it: the layout its conversion rules are written for."""
+    from transformers import AutoModelForMultimodalLM
 
-    `prefixes` locate the text model's tensors (first match wins; keys under `exclude` are skipped),
-    `head_prefixes` the head's. Without a head in the checkpoint and with tied embeddings, the head shares the
-    input embedding. Raises ValueError on any missing or unexpected tensor.
-    """
+    return AutoModelForMultimodalLM._model_mapping[type(hf_config)]
+
+
+def load_parts(
+    path: str, hf_config, dtype: torch.dtype, parts: dict[str, str | None], model_cls=None
+) -> tuple[torch.nn.Module, set[str]]:
+    """Load only the submodules `parts` (path in the composite model -> attention implementation of a
+    transformers model there, None for a plain module) of the checkpoint in `path`, through transformers' own
+    loading: its renames of older layouts, expert fusion, transposes (`conversion_mapping`), so a checkpoint
+    loads here exactly when `from_pretrained` loads it. Checkpoint keys that land outside `parts` are not read.
+
+    Returns the composite model (`model_cls`, default `composite_class`), its other submodules on the meta
+    device, and the keys of `parts` the checkpoint did not have (a tied head). Raises ValueError on unexpected,
+    mismatched or unconvertible tensors."""
+    import copy
+
+    from safetensors import safe_open
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import (
+        WeightConverter,
+        WeightRenaming,
+        convert_and_load_state_dict_in_model,
+        rename_source_key,
+    )
+    from transformers.initialization import no_init_weights
+    from transformers.modeling_utils import LoadStateDictConfig, PreTrainedModel
+
+    config = copy.deepcopy(hf_config)
+    cls = model_cls or composite_class(config)
+    with torch.device("meta"):
+        model = cls._from_config(config, dtype=dtype)  # the structure: no memory, no init
+    for where, attn in parts.items():
+        meta = model.get_submodule(where)
+        if isinstance(meta, PreTrainedModel):
+            real = build_empty(meta.config, dtype, attn, type(meta))
+        else:
+            with no_init_weights():
+                real = meta.to_empty(device="cpu")
+        parent, _, attr = where.rpartition(".")
+        setattr(model.get_submodule(parent), attr, real)
+    conversions = get_model_conversion_mapping(model)
+    renamings = [c for c in conversions if isinstance(c, WeightRenaming)]
+    converters = [c for c in conversions if isinstance(c, WeightConverter)]
+    expected = model.state_dict()
+    prefixes = tuple(p + "." for p in parts)
+    files = [safe_open(f, framework="pt") for f in checkpoint_files(path)]
+    state = {}
+    for f in files:
+        for key in f.keys():
+            target, _ = rename_source_key(key, renamings, converters, model.base_model_prefix, expected)
+            if target.startswith(prefixes):
+                state[key] = f.get_slice(key)
+    load_config = LoadStateDictConfig(pretrained_model_name_or_path=path, dtype=dtype, weight_mapping=conversions)
+    info, _ = convert_and_load_state_dict_in_model(model, state, load_config)
+    problems = []
+    if info.unexpected_keys:
+        problems.append(f"unexpected {sorted(info.unexpected_keys)[:5]} ({len(info.unexpected_keys)})")
+    if info.mismatched_keys:
+        problems.append(f"mismatched shapes {sorted(info.mismatched_keys)[:3]}")
+    if info.conversion_errors:
+        problems.append(f"conversion errors {dict(list(info.conversion_errors.items())[:3])}")
+    if problems:
+        raise ValueError(f"{path}: checkpoint does not match {cls.__name__}: " + "; ".join(problems))
+    missing = {k for k in info.missing_keys if k.startswith(prefixes)}
+    return model, missing
+
+
+def load_language_model(path: str, hf_config, dtype: torch.dtype, attn_implementation: str, text_path: str):
+    """The text model (at `text_path` in the composite model, its attention `attn_implementation`) and its head
+    (`lm_head`), loaded by `load_parts`. Without a head in the checkpoint and with tied embeddings, the head
+    shares the input embedding. Raises ValueError on any missing or unexpected tensor."""
     from mmserve.models.family import LanguageModel
 
-    text_model = build_empty(hf_config.get_text_config(), dtype, attn_implementation, text_cls)
-    load_into(text_model, dict(iter_prefixed(path, prefixes, exclude=exclude)), "language model")
-    emb = text_model.get_input_embeddings().weight  # (vocab, hidden)
-    head = dict(iter_prefixed(path, head_prefixes))
-    if head:
-        lm_head = torch.nn.Linear(emb.shape[1], emb.shape[0], bias=False, dtype=emb.dtype)
-        load_into(lm_head, head, "lm_head")
-    elif tied_embeddings(hf_config):
-        lm_head = torch.nn.Linear(emb.shape[1], emb.shape[0], bias=False, dtype=emb.dtype, device="meta")
-        lm_head.weight = emb
-    else:
-        raise ValueError("checkpoint has no lm_head.weight and the model does not tie embeddings")
+    model, missing = load_parts(path, hf_config, dtype, {text_path: attn_implementation, "lm_head": None})
+    text_model = model.get_submodule(text_path)
+    lm_head = model.lm_head
+    if "lm_head.weight" in missing and tied_embeddings(hf_config):
+        lm_head.weight = text_model.get_input_embeddings().weight
+        missing.discard("lm_head.weight")
+    if missing:
+        raise ValueError(
+            f"{path}: the checkpoint lacks {len(missing)} tensor(s) of the language model: {sorted(missing)[:5]}"
+        )
     return LanguageModel(text_model.eval(), lm_head.eval())
+
+
+def load_submodule(path: str, hf_config, dtype: torch.dtype, where: str, attn_implementation: str = "sdpa"):
+    """One transformers submodule of the composite model (a tower), loaded by `load_parts`. Raises ValueError on
+    any missing or unexpected tensor."""
+    model, missing = load_parts(path, hf_config, dtype, {where: attn_implementation})
+    if missing:
+        raise ValueError(f"{path}: the checkpoint lacks {len(missing)} tensor(s) of {where}: {sorted(missing)[:5]}")
+    return model.get_submodule(where).eval()
 
 
 def renamed(tensors: Iterator[tuple[str, torch.Tensor]], strip: Sequence[str]) -> dict[str, torch.Tensor]:
@@ -125,21 +195,7 @@ def renamed(tensors: Iterator[tuple[str, torch.Tensor]], strip: Sequence[str]) -
     return out
 
 
-# The language model of composite checkpoints (LLaVA, Qwen2-Audio): published under `language_model.`,
-# re-saved by transformers 5 under `model.language_model.` with the head at the top.
-NESTED_LM_PREFIXES = ("model.language_model.", "language_model.model.")
-NESTED_HEAD_PREFIXES = ("lm_head.", "language_model.lm_head.")
-
-
 def load_nested_language_model(path: str, hf_config, dtype: torch.dtype, attn_implementation: str):
-    """`load_language_model` for a checkpoint whose text model (of its AutoModel class) sits under
-    `language_model` in either layout."""
-    return load_language_model(
-        path,
-        hf_config,
-        dtype,
-        attn_implementation,
-        prefixes=NESTED_LM_PREFIXES,
-        exclude=(),
-        head_prefixes=NESTED_HEAD_PREFIXES,
-    )
+    """`load_language_model` for a composite checkpoint whose text model sits at `model.language_model` (LLaVA,
+    Qwen2-Audio: transformers' renames take the older `language_model.` layout there)."""
+    return load_language_model(path, hf_config, dtype, attn_implementation, "model.language_model")

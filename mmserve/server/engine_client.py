@@ -62,7 +62,7 @@ class EngineClient:
     # -- lifecycle ----------------------------------------------------------------------------------
     def spawn(self) -> None:
         """Start the engine process (returns at once; `wait_ready` waits for its ReadyMsg)."""
-        cmd = [sys.executable, "-m", "mmserve.engine.loop", "--config", engine_config_to_json(self.cfg),
+        cmd = [sys.executable, "-m", "mmserve.runtime.loop", "--config", engine_config_to_json(self.cfg),
                "--input-addr", self.input_addr, "--output-addr", self.output_addr, "--log-level", self.log_level]  # fmt: skip
         self.proc = subprocess.Popen(cmd, env=child_env(self.cluster_secret))
 
@@ -80,6 +80,8 @@ class EngineClient:
                 msg = self.decoder.decode(await self.from_engine.recv())
                 if isinstance(msg, m.ReadyMsg):
                     self.ready = msg
+                elif isinstance(msg, m.ErrorMsg) and not msg.request_id:  # the engine could not start
+                    raise EngineDeadError(f"the engine cannot start: {msg.failure.message}")
         self._tasks = [asyncio.create_task(self._reader()), asyncio.create_task(self._watchdog())]
         return self.ready
 

@@ -11,7 +11,7 @@ import math
 from functools import lru_cache
 from typing import Any
 
-from mmserve.engine.logprobs import TokenLogprobs
+from mmserve.logprobs import TokenLogprobs
 
 _FLOOR = -9999.0  # JSON has no -inf: a masked token's logprob is reported as vLLM does
 

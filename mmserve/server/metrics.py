@@ -20,7 +20,7 @@ from mmserve.encoder.embedding_store import METRIC_DOCS as STORE_METRIC_DOCS
 from mmserve.transport.messages import StatsMsg
 
 if TYPE_CHECKING:
-    from mmserve.engine.sampling_params import SamplingParams
+    from mmserve.sampling_params import SamplingParams
     from mmserve.server.serving import Timings
 
 PREFIX = "mmserve:"
@@ -181,6 +181,11 @@ class ServerMetrics:
             "KV-cache usage by requests, 1 means 100 percent (cached prefixes not counted).",
         )
         self.prefix_cache_tokens = gauge("prefix_cache_tokens", "Tokens held by the prefix cache.")
+        self.state_usage = gauge(
+            "state_cache_usage_perc",
+            "Linear-attention state pool usage (running requests and checkpoints), 1 means 100 percent.",
+        )
+        self.state_checkpoints = gauge("state_checkpoints", "Linear-attention state checkpoints in the prefix cache.")
         self.transfer_held = gauge(
             "transfer_held_bytes", "Shared-memory / Mooncake pool bytes live requests view."
         )
@@ -270,6 +275,8 @@ class ServerMetrics:
         self.waiting.set(stats.num_waiting)
         self.kv_usage.set(stats.kv_cache_usage)
         self.prefix_cache_tokens.set(stats.prefix_cache_tokens)
+        self.state_usage.set(stats.state_cache_usage)
+        self.state_checkpoints.set(stats.state_checkpoints)
         self.transfer_held.set(stats.transfer_held_bytes)
         self.kv_pending.set(stats.kv_pending)
         for field, total in self.totals.items():

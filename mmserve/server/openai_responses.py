@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from mmserve.engine.logprobs import TokenLogprobs
+from mmserve.logprobs import TokenLogprobs
 from mmserve.server.logprob_format import TokenStrings, chat_logprobs, completion_logprobs
 from mmserve.server.metrics import ServerMetrics
 from mmserve.server.protocol import APIError, usage

@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, field_validator
 
 from mmserve.engine.cache_salt import MAX_CACHE_SALT_CHARS, check_cache_salt
-from mmserve.engine.sampling_params import (
+from mmserve.sampling_params import (
     MAX_LOGPROBS,
     MAX_N,
     MAX_REPETITION_PENALTY,

@@ -15,7 +15,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import StreamingResponse
 from pydantic.json_schema import models_json_schema
 
-from mmserve.engine.sampling_params import StructuredOutputs
+from mmserve.sampling_params import StructuredOutputs
 from mmserve.server.app_state import AppState, app_state, parse
 from mmserve.server.chat_prompt import chat_prompt, media_items
 from mmserve.server.openai_responses import Answer, collect, handoff_payload, sse_stream
@@ -71,6 +71,8 @@ async def chat(request: Request, state: State):
     tools = parse_tools(
         body.tools, body.tool_choice, body.parallel_tool_calls, state.cfg.enable_auto_tool_choice
     )
+    if state.cfg.disaggregation_mode == "decode":  # the prefill server rendered, tokenized and encoded it
+        return await generate(request, state, body, "chat", [], [], tools)
     prompt = chat_prompt(state, body.messages, tools=tools.tools if tools else None)
     items = await media_items(state, prompt, body.cache_salt)
     return await generate(request, state, body, "chat", prompt.prompt_ids, items, tools)

@@ -13,10 +13,10 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from mmserve.engine.detokenizer import IncrementalDetokenizer
-from mmserve.engine.logprobs import TokenLogprobs
 from mmserve.engine.request import choice_id
-from mmserve.engine.sampling_params import SamplingParams
+from mmserve.logprobs import TokenLogprobs
 from mmserve.multimodal.precomputed import to_encode
+from mmserve.sampling_params import SamplingParams
 from mmserve.server.engine_client import EngineClient, EngineDeadError
 from mmserve.server.metrics import ServerMetrics
 from mmserve.server.protocol import APIError
@@ -99,6 +99,7 @@ class Generation:
     timings: Timings = field(default_factory=Timings)
     choices: dict[int, _Choice] = field(default_factory=dict)
     prompt_logprobs: list[TokenLogprobs | None] | None = None  # when the params ask for them
+    prompt_tail: list[int] = field(default_factory=list)  # decode server: the detokenizer's context
 
     async def start(self) -> None:
         """Send the request and wait until the engine accepted it. Raises APIError."""
@@ -132,6 +133,7 @@ class Generation:
             raise APIError.of(first.failure)
         assert isinstance(first, m.AcceptedMsg)
         self.prompt_tokens = first.prompt_tokens
+        self.prompt_tail = list(first.prompt_tail)
         self.mm_items, self.mm_cache_hits = first.mm_items, first.mm_cache_hits
         self.encoded_by = list(first.encoded_by)
         self.item_encoders = list(first.item_encoders)
@@ -182,7 +184,7 @@ class Generation:
         """What each choice produced, message by message, until every choice finished; sets each choice's
         finish and stop reasons and the usage. Raises APIError (engine death)."""
         choices = {
-            i: _Choice(IncrementalDetokenizer(self.tokenizer, self.params, self.prompt_token_ids))
+            i: _Choice(IncrementalDetokenizer(self.tokenizer, self.params, self.prompt_token_ids or self.prompt_tail))
             for i in range(self.params.n)
         }
         self.choices = choices

@@ -83,7 +83,7 @@ class ProcSample:
 def role_of(pid: int) -> str:
     with open(f"/proc/{pid}/cmdline", "rb") as f:
         argv = [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
-    if "mmserve.engine.loop" in argv:
+    if "mmserve.runtime.loop" in argv:
         return "engine"
     for role in ("serve", "encoder"):
         if role in argv:

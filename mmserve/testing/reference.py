@@ -110,7 +110,10 @@ class HFReference:
         max_new_tokens: int = 16,
         streamer=None,
     ) -> ReferenceOutput:
-        inputs = self.inputs(messages, media)
+        return self.generate_from(self.inputs(messages, media), max_new_tokens, streamer)
+
+    def generate_from(self, inputs, max_new_tokens: int = 16, streamer=None) -> ReferenceOutput:
+        """Greedy `generate` on processor outputs (`inputs`), possibly extended by the caller (a later turn)."""
         model = self.model
         for (
             key,
@@ -133,3 +136,14 @@ class HFReference:
         new_tokens = out.sequences[0, prompt_len:].tolist()
         logits = torch.cat([step.float() for step in out.logits], dim=0)
         return ReferenceOutput(new_tokens, logits, inputs["input_ids"][0].tolist())
+
+    def extend(self, inputs, token_ids: list[int]):
+        """`inputs` (processor outputs of one prompt) with text tokens `token_ids` appended: the next turn."""
+        out = dict(inputs)
+        tail = torch.tensor([token_ids], dtype=inputs["input_ids"].dtype)
+        out["input_ids"] = torch.cat([inputs["input_ids"], tail], dim=1)
+        for key in ("attention_mask", "mm_token_type_ids", "token_type_ids"):
+            if key in inputs:
+                fill = 1 if key == "attention_mask" else 0
+                out[key] = torch.cat([inputs[key], torch.full_like(tail, fill, dtype=inputs[key].dtype)], dim=1)
+        return out

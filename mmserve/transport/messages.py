@@ -10,8 +10,8 @@ from typing import Any
 
 import msgspec
 
-from mmserve.engine.logprobs import TokenLogprobs
-from mmserve.engine.sampling_params import SamplingParams
+from mmserve.logprobs import TokenLogprobs
+from mmserve.sampling_params import SamplingParams
 
 SCHEMA_VERSION = 5
 
@@ -138,6 +138,8 @@ class AcceptedMsg(msgspec.Struct, tag="accepted"):
     encoded_by: list[str] = []  # "engine (in-process)", "local (failover)", or encoder URLs
     item_encoders: list[str] = []  # one of the above per media item the engine encoded or received, in order
     transfer_s: float = 0.0  # EPD: the last part's send to its arrival at the engine (part of encode_s)
+    # Decode server: the prompt's last text tokens, the detokenizer's context (its API server renders no prompt)
+    prompt_tail: list[int] = []
 
 
 class TokensMsg(msgspec.Struct, tag="tokens"):
@@ -201,6 +203,8 @@ class StatsMsg(msgspec.Struct, tag="stats"):
     prefix_cache_tokens: int = 0  # tokens the prefix cache holds (kv_cache_usage counts only requests' slots)
     overlap_stages: int = 0  # encode-prefill overlap: prefill stages run while their request's media encoded
     overlap_tokens: int = 0  # ... and the prompt tokens they computed
+    state_cache_usage: float = 0.0  # hybrid models: state pool slots in use (requests' and checkpoints'), 0..1
+    state_checkpoints: int = 0  # ... of which prefix-cache checkpoints
 
 
 FromEngine = ReadyMsg | AcceptedMsg | TokensMsg | HandedOffMsg | ErrorMsg | StatsMsg

@@ -1,4 +1,5 @@
-"""Token-level radix tree mapping token prefixes to KV slots, for prefix caching.
+"""Token-level radix tree mapping token prefixes to KV slots (and, for hybrid models, state checkpoints), for
+prefix caching.
 
 Keys are int64 token ids, including image/video/audio pad values (hash-derived, up to 2**63 - 1), so two
 prompts with the same text but different media diverge at the first differing pad value.
@@ -6,6 +7,16 @@ prompts with the same text but different media diverge at the first differing pa
 Ownership: the tree owns exactly one pool reference for each slot stored in it, taken in `insert` and
 dropped in `evict`/`reset`. `match` takes no references: a caller that keeps the matched slots must
 `pool.ref` them itself, and should `lock` the handle so the path cannot be evicted meanwhile.
+
+State checkpoints (a tree built with a `StatePool`: models with linear-attention layers, whose KV alone cannot
+resume a sequence). A node may own one state slot, the state after its last token; a node without one is a
+*tombstone*, kept only as the KV of the path to deeper nodes.
+| rule                         | why                                                                        |
+| `match` ends at the deepest node with a state (the root: the empty state) | resuming needs the state there |
+| `insert` always brings a state, the tree takes it: kept, or freed if the node has one already | no KV-only leaves |
+| a split leaves the state on the lower node | the state belongs to the last token of the edge              |
+| no unlocked leaf is a tombstone: removing a state from a leaf removes the leaf, then any parent it leaves a tombstone leaf; a locked one goes when its last lock does | KV nobody can resume from is freed |
+| `evict_states` frees the least recently used states, locked nodes' too | states have their own budget; a running request copied its state at admission and needs no checkpoint |
 
 LRU timestamps come from a counter bumped once per `match`/`insert`, so eviction order is deterministic.
 Not thread-safe: callers must hold the scheduler's lock (or be the scheduler thread) for every method.
@@ -21,15 +32,17 @@ from typing import Protocol
 
 import torch
 
-from mmserve.engine.kv_pool import KVPool
+from mmserve.engine.cache.kv_pool import KVPool
+from mmserve.engine.cache.state_pool import StatePool
 
 
 @dataclass
 class MatchResult:
-    """The longest cached prefix of a query; the slots are owned by the cache, not the caller."""
+    """The longest usable cached prefix of a query; slots and state are owned by the cache, not the caller."""
 
-    slots: torch.Tensor  # int64 slots of the longest cached prefix, one per matched token
+    slots: torch.Tensor  # int64 slots of the prefix, one per matched token
     handle: object  # opaque; pass to lock/unlock
+    state: int | None = None  # state-checkpoint trees: the slot of the state after the prefix (None: empty state)
 
     @property
     def num_tokens(self) -> int:
@@ -39,16 +52,21 @@ class MatchResult:
 class PrefixCache(Protocol):
     """What the engine needs from a prefix cache; `RadixCache` documents each method's contract."""
 
+    keeps_states: bool
+
     def match(self, tokens: Sequence[int]) -> MatchResult: ...
     def cached_len(self, tokens: Sequence[int]) -> int: ...
     def lock(self, handle: object) -> None: ...
     def unlock(self, handle: object) -> None: ...
-    def insert(self, tokens: Sequence[int], slots: torch.Tensor) -> int: ...
+    def insert(self, tokens: Sequence[int], slots: torch.Tensor, state: int | None = None) -> int: ...
     def evict(self, num_tokens: int) -> int: ...
+    def evict_states(self, num_states: int) -> int: ...
     @property
     def total_tokens(self) -> int: ...
     @property
     def evictable_tokens(self) -> int: ...
+    @property
+    def num_states(self) -> int: ...
     def reset(self) -> None: ...
     def check_integrity(self) -> None: ...
 
@@ -58,7 +76,7 @@ def _empty_slots() -> torch.Tensor:
 
 
 class _Node:
-    __slots__ = ("key", "slots", "parent", "children", "lock_ref", "last_access")
+    __slots__ = ("key", "slots", "parent", "children", "lock_ref", "last_access", "state")
 
     def __init__(self, key: list[int], slots: torch.Tensor, parent: _Node | None, last_access: int) -> None:
         self.key = key
@@ -67,6 +85,7 @@ class _Node:
         self.children: dict[int, _Node] = {}
         self.lock_ref = 0
         self.last_access = last_access
+        self.state: int | None = None  # state-checkpoint trees: the state after this node's last token
 
 
 def _common_prefix_len(key: list[int], tokens: Sequence[int], start: int) -> int:
@@ -78,10 +97,13 @@ def _common_prefix_len(key: list[int], tokens: Sequence[int], start: int) -> int
 
 
 class RadixCache:
-    """Radix tree of token prefixes over the slots of `pool`; see the module docstring for ownership."""
+    """Radix tree of token prefixes over the slots of `pool` (and the checkpoints in `states`, when given); see
+    the module docstring for ownership."""
 
-    def __init__(self, pool: KVPool) -> None:
+    def __init__(self, pool: KVPool, states: StatePool | None = None) -> None:
         self.pool = pool
+        self.states = states
+        self.keeps_states = states is not None
         self._clock = 0
         self._init_tree()
 
@@ -89,6 +111,7 @@ class RadixCache:
         self._root = _Node([], _empty_slots(), None, 0)
         # Insertion-ordered set of non-root childless nodes, so eviction need not walk the whole tree.
         self._leaves: dict[_Node, None] = {}
+        self._stateful: dict[_Node, None] = {}  # nodes that own a state
         self._total_tokens = 0
         self._evictable_tokens = 0
 
@@ -100,17 +123,38 @@ class RadixCache:
     def evictable_tokens(self) -> int:
         return self._evictable_tokens
 
+    @property
+    def num_states(self) -> int:
+        return len(self._stateful)
+
     def match(self, tokens: Sequence[int]) -> MatchResult:
-        """Longest cached prefix of `tokens`. Takes no pool references.
+        """Longest usable cached prefix of `tokens` (with states: the deepest node that has one). Takes no pool
+        references.
 
         Mutates LRU times along the path, and splits an edge if the match ends inside it (so the handle is
-        an exact node); slot ownership is unchanged. Caller must hold the scheduler's lock.
+        an exact node; never in a state tree, whose matches end at nodes); slot ownership is unchanged. Caller
+        must hold the scheduler's lock.
         """
+        if self.keeps_states:
+            path = self._walk(tokens, stamp=True)
+            depth = max((i for i, node in enumerate(path) if node.state is not None), default=-1)
+            node = path[depth] if depth >= 0 else self._root
+            parts = [n.slots for n in path[: depth + 1]]
+            slots = torch.cat(parts) if parts else _empty_slots()
+            return MatchResult(slots, node, node.state)
         node, _, parts = self._descend(tokens)
         return MatchResult(slots=torch.cat(parts) if parts else _empty_slots(), handle=node)
 
     def cached_len(self, tokens: Sequence[int]) -> int:
-        """How many leading `tokens` are cached, changing nothing (no split, no LRU stamp): a scheduling hint."""
+        """How many leading `tokens` a `match` would give, changing nothing (no split, no LRU stamp): a
+        scheduling hint."""
+        if self.keeps_states:
+            matched = best = 0
+            for node in self._walk(tokens, stamp=False):
+                matched += len(node.key)
+                if node.state is not None:
+                    best = matched
+            return best
         node, matched = self._root, 0
         while matched < len(tokens):
             child = node.children.get(tokens[matched])
@@ -124,9 +168,9 @@ class RadixCache:
         return matched
 
     def lock(self, handle: object) -> None:
-        """Protect the path root..handle from eviction (one more lock on each node of it). `handle` must
-        come from a `match` with no `evict` in between (or be locked already). Mutates lock counts; the
-        caller owns the lock and must `unlock` it once. Caller must hold the scheduler's lock."""
+        """Protect the path root..handle from eviction (one more lock on each node of it). `handle` must come
+        from a `match` with no `evict` in between (or be locked already). Mutates lock counts; the caller owns the
+        lock and must `unlock` it once. Caller must hold the scheduler's lock."""
         node = self._as_node(handle)
         assert node is self._root or node.parent is not None, "lock of an evicted handle"
         while node is not None:
@@ -136,25 +180,46 @@ class RadixCache:
             node = node.parent
 
     def unlock(self, handle: object) -> None:
-        """Undo one `lock(handle)` held by the caller. Mutates lock counts."""
-        node = self._as_node(handle)
+        """Undo one `lock(handle)` held by the caller. Mutates lock counts; in a state tree, a tombstone leaf
+        that this leaves unlocked is removed (and its KV freed)."""
+        handle = node = self._as_node(handle)
         while node is not None:
             assert node.lock_ref > 0, "unlock without a matching lock"
             node.lock_ref -= 1
             if node.lock_ref == 0:
                 self._evictable_tokens += len(node.key)
             node = node.parent
+        if self._trimmable(handle):
+            self._remove_leaf(handle)
 
-    def insert(self, tokens: Sequence[int], slots: torch.Tensor) -> int:
-        """Store `tokens -> slots`; returns the length of the prefix that was already present.
+    def _trimmable(self, node: _Node) -> bool:
+        """A state tree's unlocked tombstone leaf: KV nobody can resume from."""
+        return (
+            self.keeps_states
+            and node is not self._root
+            and node.parent is not None
+            and node.state is None
+            and not node.children
+            and node.lock_ref == 0
+        )
+
+    def insert(self, tokens: Sequence[int], slots: torch.Tensor, state: int | None = None) -> int:
+        """Store `tokens -> slots` (and, in a state tree, `state`: the caller's state slot after the last token,
+        which the tree takes over, keeping it or freeing it if that prefix has one already); returns the length
+        of the prefix that was already present.
 
         For that prefix the tree keeps its own slots (the caller's are duplicates it still owns); for the
         rest the tree takes one reference on the caller's slots via `pool.ref`. Mutates the tree, LRU times
         and pool refcounts. Caller must hold the scheduler's lock and own live references to `slots`.
         """
+        assert (state is not None) == self.keeps_states, "a state tree stores a state with every insert"
         slots = slots.to(device="cpu", dtype=torch.int64).reshape(-1)
         assert slots.numel() == len(tokens), f"{slots.numel()} slots for {len(tokens)} tokens"
-        node, matched, _ = self._descend(tokens)
+        if not tokens:  # the root holds the empty state implicitly
+            if state is not None:
+                self.states.free(state)
+            return 0
+        node, matched, _ = self._descend(tokens)  # ends exactly at `matched` (an edge is split there)
         if matched < len(tokens):
             new_slots = slots[matched:].clone()
             self.pool.ref(new_slots)
@@ -164,6 +229,13 @@ class RadixCache:
             self._leaves[leaf] = None
             self._total_tokens += len(leaf.key)
             self._evictable_tokens += len(leaf.key)  # unlocked even if `node` is locked
+            node = leaf
+        if state is not None:
+            if node.state is None:
+                node.state = state
+                self._stateful[node] = None
+            else:
+                self.states.free(state)
         return matched
 
     def evict(self, num_tokens: int) -> int:
@@ -171,7 +243,8 @@ class RadixCache:
         leaf), until at least `num_tokens` tokens are gone or nothing evictable remains.
 
         Mutates the tree and drops its pool references (`pool.free`) on removed slots, which return to the
-        free list only if no request holds them. Returns tokens removed. Caller must hold the scheduler's lock.
+        free list only if no request holds them; removed nodes' states are freed. Returns tokens removed. Caller
+        must hold the scheduler's lock.
         """
         tie = itertools.count()
         heap = [(n.last_access, next(tie), n) for n in self._leaves if n.lock_ref == 0]
@@ -179,8 +252,47 @@ class RadixCache:
         removed = 0
         while removed < num_tokens and heap:
             _, _, node = heapq.heappop(heap)
+            if node.parent is None:  # trimmed with a child before its turn came
+                continue
+            tokens, parent = self._remove_leaf(node)
+            removed += tokens
+            if parent is not self._root and not parent.children and parent.lock_ref == 0:
+                heapq.heappush(heap, (parent.last_access, next(tie), parent))
+        return removed
+
+    def evict_states(self, num_states: int) -> int:
+        """Free up to `num_states` states, least recently used first, locked nodes' too (a running request copied
+        its state when it was admitted); an unlocked leaf that loses its state is removed (its KV freed), and so
+        is every parent that this leaves a tombstone leaf. Returns the states freed. Mutates the tree, the state
+        pool and pool refcounts."""
+        heap = [(n.last_access, i, n) for i, n in enumerate(self._stateful)]
+        heapq.heapify(heap)
+        freed = 0
+        while freed < num_states and heap:
+            _, _, node = heapq.heappop(heap)
+            if node.parent is None or node.state is None:
+                continue
+            self._drop_state(node)
+            freed += 1
+            if self._trimmable(node):
+                self._remove_leaf(node)
+        return freed
+
+    def _drop_state(self, node: _Node) -> None:
+        self.states.free(node.state)
+        node.state = None
+        del self._stateful[node]
+
+    def _remove_leaf(self, node: _Node) -> tuple[int, _Node]:
+        """Remove an unlocked leaf (freeing its slots and state), then, in a state tree, every ancestor this
+        leaves a tombstone leaf: nobody can resume from its KV. Returns (tokens removed, the first ancestor
+        that stays)."""
+        removed = 0
+        while True:
             parent = node.parent
             assert parent is not None and not node.children and node.lock_ref == 0
+            if node.state is not None:
+                self._drop_state(node)
             self.pool.free(node.slots)
             del parent.children[node.key[0]]
             del self._leaves[node]
@@ -188,32 +300,37 @@ class RadixCache:
             removed += len(node.key)
             self._total_tokens -= len(node.key)
             self._evictable_tokens -= len(node.key)
-            if parent is not self._root and not parent.children:
-                self._leaves[parent] = None
-                if parent.lock_ref == 0:
-                    heapq.heappush(heap, (parent.last_access, next(tie), parent))
-        return removed
+            if parent is self._root or parent.children:
+                return removed, parent
+            self._leaves[parent] = None
+            if not self._trimmable(parent):
+                return removed, parent
+            node = parent
 
     def reset(self) -> None:
-        """Drop every node and the tree's pool references. No handle may be locked. Mutates the tree and
-        pool refcounts; caller must hold the scheduler's lock."""
+        """Drop every node, the tree's pool references and its states. No handle may be locked. Mutates the tree,
+        pool refcounts and the state pool; caller must hold the scheduler's lock."""
         assert self._root.lock_ref == 0, "reset while handles are locked"
         stack = list(self._root.children.values())
         while stack:
             node = stack.pop()
             self.pool.free(node.slots)
+            if node.state is not None:
+                self.states.free(node.state)
             node.parent = None
             stack.extend(node.children.values())
         self._init_tree()
 
     def check_integrity(self) -> None:
-        """Raise AssertionError if the tree's structure, counters or pool references are inconsistent.
+        """Raise AssertionError if the tree's structure, counters, pool references or states are inconsistent.
         Mutates nothing."""
         root = self._root
         assert root.parent is None and not root.key and root.slots.numel() == 0, "malformed root"
+        assert root.state is None, "the root holds a state"
         total = evictable = 0
         parts: list[torch.Tensor] = []
         leaves: set[_Node] = set()
+        stateful: list[_Node] = []
         stack = [root]
         while stack:
             node = stack.pop()
@@ -232,14 +349,44 @@ class RadixCache:
             total += len(node.key)
             evictable += len(node.key) if node.lock_ref == 0 else 0
             parts.append(node.slots)
+            if node.state is not None:
+                stateful.append(node)
             if not node.children:
                 leaves.add(node)
+                assert not self._trimmable(node), "an unlocked leaf without a state (tombstone)"
         assert total == self._total_tokens, f"total_tokens {self._total_tokens} but tree holds {total}"
         assert evictable == self._evictable_tokens, f"evictable {self._evictable_tokens}, actual {evictable}"
         assert leaves == set(self._leaves), "leaf set out of sync with the tree"
         stored = torch.cat([_empty_slots(), *parts])
         assert torch.unique(stored).numel() == stored.numel(), "a slot appears twice in the tree"
         assert bool((self.pool.refcount(stored) >= 1).all()), "tree holds a slot with refcount 0"
+        assert set(stateful) == set(self._stateful), "stateful node set out of sync with the tree"
+        states = [n.state for n in stateful]
+        assert len(set(states)) == len(states), "a state slot appears twice in the tree"
+        if states:
+            assert self.states is not None and bool(self.states._used[torch.tensor(states)].all()), (
+                "tree holds a free state slot"
+            )
+
+    def _walk(self, tokens: Sequence[int], stamp: bool) -> list[_Node]:
+        """The nodes whose whole edge is a prefix of `tokens`, root excluded, in order (no split)."""
+        if stamp:
+            self._clock += 1
+            self._root.last_access = self._clock
+        node, matched, path = self._root, 0, []
+        while matched < len(tokens):
+            child = node.children.get(tokens[matched])
+            if child is None:
+                break
+            common = _common_prefix_len(child.key, tokens, matched)
+            if common < len(child.key):
+                break
+            if stamp:
+                child.last_access = self._clock
+            path.append(child)
+            matched += common
+            node = child
+        return path
 
     def _descend(self, tokens: Sequence[int]) -> tuple[_Node, int, list[torch.Tensor]]:
         """Walk the longest present prefix of `tokens`, splitting the last edge if the prefix ends inside
@@ -261,8 +408,9 @@ class RadixCache:
         return node, matched, parts
 
     def _split(self, node: _Node, at: int) -> _Node:
-        """Cut `node`'s edge after `at` tokens; returns the new upper node. `node` keeps the lower part, so
-        handles to it stay valid and still denote the same prefix. Counts are unchanged."""
+        """Cut `node`'s edge after `at` tokens; returns the new upper node. `node` keeps the lower part (and its
+        state, the state after its last token), so handles to it stay valid and still denote the same prefix.
+        The upper node is a tombstone in a state tree. Counts are unchanged."""
         parent = node.parent
         assert parent is not None and 0 < at < len(node.key)
         upper = _Node(node.key[:at], node.slots[:at].clone(), parent, node.last_access)
@@ -280,7 +428,12 @@ class RadixCache:
 
 
 class NoPrefixCache:
-    """A `PrefixCache` that caches nothing (`--disable-prefix-cache`)."""
+    """A `PrefixCache` that caches nothing (`--disable-prefix-cache`; a decode server). A state it is handed
+    is freed at once."""
+
+    def __init__(self, states: StatePool | None = None) -> None:
+        self.states = states
+        self.keeps_states = states is not None
 
     def match(self, tokens: Sequence[int]) -> MatchResult:
         """Always the empty prefix. Mutates nothing."""
@@ -295,12 +448,17 @@ class NoPrefixCache:
     def unlock(self, handle: object) -> None:
         """No-op."""
 
-    def insert(self, tokens: Sequence[int], slots: torch.Tensor) -> int:
-        """Stores nothing and takes no references; returns 0."""
+    def insert(self, tokens: Sequence[int], slots: torch.Tensor, state: int | None = None) -> int:
+        """Stores nothing and takes no slot references; frees `state`; returns 0."""
+        if state is not None:
+            self.states.free(state)
         return 0
 
     def evict(self, num_tokens: int) -> int:
         """Nothing to evict; returns 0."""
+        return 0
+
+    def evict_states(self, num_states: int) -> int:
         return 0
 
     @property
@@ -309,6 +467,10 @@ class NoPrefixCache:
 
     @property
     def evictable_tokens(self) -> int:
+        return 0
+
+    @property
+    def num_states(self) -> int:
         return 0
 
     def reset(self) -> None:

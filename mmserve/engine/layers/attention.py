@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 if TYPE_CHECKING:
     from mmserve.engine.cpu_kernels import CpuKernels
+    from mmserve.engine.layers.linear_state import StateMetadata
 
 ATTENTION_NAME = "mmserve_pool"
 
@@ -69,7 +70,7 @@ class DecodeGroup:
 
 @dataclass
 class AttentionMetadata:
-    k_cache: list[torch.Tensor]  # per layer (num_slots, num_kv_heads, head_dim)
+    k_cache: list[torch.Tensor | None]  # per layer (num_slots, num_kv_heads, head_dim); None: no rows
     v_cache: list[torch.Tensor]
     new_slots: torch.Tensor  # int64 (total_tokens,): slot of every packed token
     seqs: list[SeqAttention]  # the queries of more than one row (prefill chunks), each attended on its own
@@ -78,6 +79,7 @@ class AttentionMetadata:
     # this step's RoPE rows, built by the first fused layer for the others (fused_layers.rotary_rows)
     rotary: tuple[torch.Tensor, torch.Tensor] | None = None
     kernels: CpuKernels | None = None  # mmserve's CPU kernels when the engine runs them (cpu_kernels.py)
+    state: StateMetadata | None = None  # hybrid models: the linear layers' state slots (layers/linear_state.py)
 
     def __post_init__(self) -> None:
         # One gather per layer for all prefill chunks is much cheaper than one per request; each request then

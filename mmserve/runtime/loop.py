@@ -1,6 +1,6 @@
 """Engine process main: ZMQ in, scheduler loop, ZMQ out.
 
-Started by the API server as `python -m mmserve.engine.loop --config JSON` (an explicit JSON config, never
+Started by the API server as `python -m mmserve.runtime.loop --config JSON` (an explicit JSON config, never
 a pickled object). Sockets: PULL on `input_addr` for ToEngine messages, PUSH on `output_addr` for
 FromEngine messages.
 
@@ -26,9 +26,7 @@ from mmserve.config import engine_config_from_json
 from mmserve.disagg.handoffs import Handoffs
 from mmserve.encoder.runner import build_encoder
 from mmserve.engine.engine import BatchFailed, Engine
-from mmserve.engine.intake import Intake
-from mmserve.engine.kv_pool import KVPool
-from mmserve.models.loader import parse_dtype
+from mmserve.runtime.intake import Intake
 from mmserve.transport import messages as m
 from mmserve.transport.channel import TransferConfig, bind_address, open_receiver, scheme_of
 from mmserve.transport.cluster_auth import ClusterSecret, resolve_secret
@@ -161,8 +159,7 @@ class EngineLoop:
             self.send(msg)
 
     def stats(self, nonce: int = 0) -> m.StatsMsg:
-        e, intake = self.engine, self.intake
-        sched, pool = e.scheduler, e.pool
+        e, intake = self.engine.stats(), self.intake
         cache = intake.encoder.cache.stats if intake.encoder is not None else None
         store = intake.encoder.store if intake.encoder is not None else None
         r = intake.assembler.stats
@@ -174,40 +171,35 @@ class EngineLoop:
             + intake.parts_malformed
             + sum(intake.parts_rejected.values())
         )
-        # KV usage as vLLM and SGLang report it: the slots requests hold (running, handed off, reserved for an
-        # incoming handoff), cached-prefix slots they share included. Slots only the prefix cache holds can be
-        # evicted at will and read as free, so an idle server reads 0. Those are exactly the evictable ones: a
-        # running or handed-off request locks the radix path it uses (mmserve.engine.scheduler).
-        held_slots = pool.num_used - sched.prefix_cache.evictable_tokens
         return m.StatsMsg(
-            num_running=len(sched.running),
-            num_waiting=len(sched.waiting) + intake.num_waiting,
-            kv_cache_usage=held_slots / pool.num_slots,
-            prefix_cache_queries=sched.stats.prefix_queries_tokens,
-            prefix_cache_hits=sched.stats.prefix_hit_tokens,
+            num_running=e.num_running,
+            num_waiting=e.num_waiting + intake.num_waiting,
+            kv_cache_usage=e.kv_slots_held / e.kv_slots,
+            prefix_cache_queries=e.prefix_queries_tokens,
+            prefix_cache_hits=e.prefix_hit_tokens,
             mm_cache_queries=cache.queries if cache else 0,
             mm_cache_hits=cache.hits if cache else 0,
             encode_seconds_total=intake.encode_seconds_total,
             nonce=nonce,
             parts_received=r.parts,
             parts_dropped=dropped,
-            kv_slots_used=pool.num_used,
+            kv_slots_used=e.kv_slots_used,
             transfer_held_bytes=intake.held_bytes,
-            num_preemptions=sched.stats.retractions,
+            num_preemptions=e.retractions,
             parts_forged=intake.parts_rejected["forged"],
             parts_replayed=intake.parts_rejected["replayed"],
             embedding_store=store.snapshot().as_dict() if store is not None else {},
-            prefix_cache_tokens=sched.prefix_cache.total_tokens,
-            overlap_stages=e.overlap.stages,
-            overlap_tokens=e.overlap.tokens,
+            prefix_cache_tokens=e.prefix_cache_tokens,
+            overlap_stages=e.overlap_stages,
+            overlap_tokens=e.overlap_tokens,
+            state_cache_usage=e.state_slots_used / e.state_slots if e.state_slots else 0.0,
+            state_checkpoints=e.state_checkpoints,
             **self.handoffs.stats(),
         )
 
     def run(self) -> None:
-        cfg, mc = self.engine.cfg, self.engine.model_config
-        per_token = KVPool.bytes_per_token(
-            mc.num_layers, mc.num_kv_heads, mc.head_dim, parse_dtype(cfg.dtype)
-        )
+        mc = self.engine.model_config
+        per_token = self.engine.kv_bytes_per_token
         pool = self.engine.pool
         endpoints = {scheme_of(r.endpoint): r.endpoint for r in self.intake.receivers}
         has_tower = self.intake.encoder is not None
@@ -274,7 +266,7 @@ class EngineLoop:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="mmserve.engine.loop")
+    parser = argparse.ArgumentParser(prog="mmserve.runtime.loop")
     parser.add_argument("--config", required=True, help="EngineConfig as JSON")
     parser.add_argument("--input-addr", required=True)
     parser.add_argument("--output-addr", required=True)
@@ -289,10 +281,28 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     # The cluster secret comes through the environment: argv is visible to every user of the machine.
     secret = resolve_secret(None)
-    loop = EngineLoop(Engine(engine_config_from_json(args.config)), args.input_addr, args.output_addr, secret)
+    try:
+        engine = Engine(engine_config_from_json(args.config))
+    except (ValueError, OSError) as e:  # a model it cannot run, a budget that holds nothing: say so, once
+        logger.error("cannot start: %s", e)
+        _tell_start_failure(args.output_addr, str(e))
+        return 1
+    loop = EngineLoop(engine, args.input_addr, args.output_addr, secret)
     signal.signal(signal.SIGTERM, lambda *_: setattr(loop, "running", False))
     loop.run()
     return 0
+
+
+def _tell_start_failure(output_addr: str, message: str) -> None:
+    """An ErrorMsg without a request id to the API server, which waits for ReadyMsg: its start-up ends with this
+    message (one line) instead of "exited with code 1"."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.PUSH)
+    sock.setsockopt(zmq.LINGER, 2000)  # delivered before the process exits
+    sock.connect(output_addr)
+    sock.send(msgspec.msgpack.encode(m.ErrorMsg("", m.Failure(500, "engine_start_failed", message))))
+    sock.close()
+    ctx.term()
 
 
 if __name__ == "__main__":

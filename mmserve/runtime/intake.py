@@ -22,13 +22,13 @@ from dataclasses import dataclass
 
 from mmserve.encoder.runner import EncodeTimings, MediaInput, MultimodalEncoder
 from mmserve.engine.engine import Engine
-from mmserve.engine.receiver import Complete, Failed, PartAssembler, Progress
 from mmserve.models.family import EmbeddingMismatch
 from mmserve.multimodal.errors import EncoderUnavailableError, MediaError
 from mmserve.multimodal.items import ItemEmbedding, Modality
 from mmserve.multimodal.media import MediaRef
 from mmserve.multimodal.precomputed import merge, merge_prefix, to_encode
 from mmserve.omp_pools import released
+from mmserve.runtime.receiver import Complete, Failed, PartAssembler, Progress
 from mmserve.transport import messages as m
 from mmserve.transport.channel import PartReceiver
 from mmserve.transport.cluster_auth import PartRejected
