@@ -31,6 +31,23 @@ def tiny_model(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def oracles(tiny_model):
+    """arch -> its HF `generate` oracle on the family's tiny checkpoint (tests/families.py settings), built on
+    first use and shared by the session's parity modules."""
+    from tests.families import FAMILIES
+    from tests.test_engine_parity import make_oracle
+
+    made = {}
+
+    def get(arch: str):
+        if arch not in made:
+            made[arch] = make_oracle(tiny_model(arch), FAMILIES[arch].mm_kwargs)
+        return made[arch]
+
+    return get
+
+
+@pytest.fixture(scope="session")
 def kernels() -> CpuKernels:
     """mmserve's CPU kernels (the README's set-up builds them: a machine without them fails here, not skips)."""
     loaded = load_cpu_kernels()

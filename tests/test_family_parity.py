@@ -11,21 +11,9 @@ from __future__ import annotations
 import pytest
 
 from tests.families import FAMILIES
-from tests.test_engine_parity import assert_idle_and_clean, make_llm, make_oracle, run_and_compare
+from tests.test_engine_parity import assert_idle_and_clean, make_llm, run_and_compare
 
 ARCHS = sorted(FAMILIES)
-
-
-@pytest.fixture(scope="module")
-def oracles(tiny_model):
-    made = {}
-
-    def get(arch: str):
-        if arch not in made:
-            made[arch] = make_oracle(tiny_model(arch), FAMILIES[arch].mm_kwargs)
-        return made[arch]
-
-    return get
 
 
 def llm_for(tiny_model, arch: str, **kwargs):

@@ -21,28 +21,12 @@ from tests.test_engine_parity import (
     assert_idle_and_clean,
     greedy,
     make_llm,
-    make_oracle,
     run_and_compare,
 )
+from tests.test_family_parity import llm_for
 
 HYBRIDS = ["qwen3_5", "qwen3_5_moe"]
 MOES = ["qwen3_5_moe", "qwen3_vl_moe"]
-
-
-@pytest.fixture(scope="module")
-def oracles(tiny_model):
-    made = {}
-
-    def get(arch: str):
-        if arch not in made:
-            made[arch] = make_oracle(tiny_model(arch), FAMILIES[arch].mm_kwargs)
-        return made[arch]
-
-    return get
-
-
-def llm_for(tiny_model, arch: str, **kwargs):
-    return make_llm(tiny_model(arch), FAMILIES[arch].mm_kwargs, **kwargs)
 
 
 def item_end(prompt_ids: list[int]) -> int:

@@ -154,6 +154,7 @@ def _engine(args: argparse.Namespace) -> int:
         args.eager_ops,
         args.fp32_gemm,
         args.mkl_gemm,
+        not args.no_profile,
     )
     print(engine_bench.report(results))
     print()
@@ -332,6 +333,11 @@ def add_bench_parser(sub) -> None:
         "--mkl-gemm",
         action="store_true",
         help="also run each engine with its fp32 GEMMs in MKL (--fp32-gemm mkl), side by side",
+    )
+    p.add_argument(
+        "--no-profile",
+        action="store_true",
+        help="no profiled breakdown of the decode step (step and floor only): the profiler holds every op's event",
     )
     p.add_argument("--json", default=None, help="write every figure (both tables, per round) here")
     p.set_defaults(func=_engine)

@@ -88,19 +88,23 @@ def run_hf(ref: HFReference, images: list[Image.Image], output_tokens: int) -> R
     return result
 
 
-def run_engine(llm, images: list[Image.Image], output_tokens: int, concurrency: int, name: str) -> RunResult:
+def run_engine(
+    llm, images: list[Image.Image], output_tokens: int, concurrency: int, name: str, profile: bool = True
+) -> RunResult:
     params = SamplingParams(temperature=0, max_tokens=output_tokens, ignore_eos=True)
     start = time.perf_counter()
     outputs = llm.chat([chat_messages(im) for im in images], params)
     result = RunResult(name, time.perf_counter() - start, output_tokens * len(images))
     assert all(len(o.token_ids) == output_tokens for o in outputs)
-    result.decode_tokens_per_s, result.step = decode_rate(llm, images[:concurrency], output_tokens)
+    result.decode_tokens_per_s, result.step = decode_rate(llm, images[:concurrency], output_tokens, profile)
     if concurrency == 1:  # queue time is other requests' turn, not this one's latency
         result.ttft_s = [o.metrics["encode_s"] + o.metrics["prefill_s"] for o in outputs]
     return result
 
 
-def decode_rate(llm, images: list[Image.Image], output_tokens: int) -> tuple[float, StepCost]:
+def decode_rate(
+    llm, images: list[Image.Image], output_tokens: int, profile: bool = True
+) -> tuple[float, StepCost]:
     """Steady-state decode tokens/s with len(images) requests running (all prefilled, then timed steps), and
     the cost of one such step: its median time, the GEMM floor of as many rows, and a profiled breakdown."""
     from mmserve.multimodal.messages import parse_messages
@@ -118,7 +122,9 @@ def decode_rate(llm, images: list[Image.Image], output_tokens: int) -> tuple[flo
         )
     while engine.is_prefilling:
         engine.step()
-    profiled = min(3, max(0, output_tokens - 4))  # the last steps; every request is still decoding
+    # the last steps, every request still decoding; none without `profile` (the profiler's events of an emulated
+    # bf16 GEMM, on a CPU without native bf16, took 8 GB for three steps at 16 rows)
+    profiled = min(3, max(0, output_tokens - 4)) if profile else 0
     # The first output came with the prefill.
     times, floors = steps_beside_floor(
         engine, output_tokens - 1 - profiled, GemmFloor(engine.runner, len(images))
@@ -145,6 +151,7 @@ def run(
     eager_ops: bool = False,
     fp32_gemm: str = "auto",
     mkl_gemm: bool = False,
+    profile: bool = True,
 ) -> dict[str, list[RunResult]]:
     """Every engine with `fp32_gemm` (`--fp32-gemm`), and beside each, in the same rounds: with `hf_layers` the
     same engine running transformers' layer code instead of its fused layers (`--disable-layer-fusion`); with
@@ -188,7 +195,7 @@ def run(
                 res = run_hf(ref, images, output_tokens)
             else:
                 c, llm = engines[name]
-                res = run_engine(llm, images, output_tokens, c, name)
+                res = run_engine(llm, images, output_tokens, c, name, profile)
             results.setdefault(name, []).append(res)
             print(
                 f"round {r + 1} {name:<12} {res.tokens_per_s:8.1f} output tok/s ({res.seconds:.1f}s)",
