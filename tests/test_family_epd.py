@@ -96,6 +96,9 @@ def test_the_official_openai_client_chats_with_an_image(epd):
     )
     assert reply.choices[0].message.content == reference_text(model_dir, MAX_NEW, spec.mm_kwargs)(case)
     assert reply.usage.prompt_tokens > MAX_NEW and reply.usage.completion_tokens == MAX_NEW
+    # the start-up line a user reads names the state budget beside the KV budget, for a hybrid model only
+    ready = next(line for line in server.log().splitlines() if line.startswith("mmserve: engine ready"))
+    assert ("state cache" in ready) == (arch in ("qwen3_5", "qwen3_5_moe")), ready
 
 
 def test_bad_media_over_epd_gets_a_clear_4xx(epd):

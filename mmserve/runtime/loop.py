@@ -214,6 +214,9 @@ class EngineLoop:
             self.handoffs.bootstrap_endpoint,
             self.handoffs.backends,
         )
+        if states := self.engine.states:
+            ready.state_slots = states.num_slots
+            ready.state_cache_bytes = states.num_slots * states.slot_bytes
         self.send(ready)
         poller = zmq.Poller()
         poller.register(self.input, zmq.POLLIN)

@@ -122,7 +122,13 @@ async def serve_async(server_cfg: ServerConfig, engine_cfg: EngineConfig) -> int
         kv_mb = ready.kv_cache_bytes / 2**20
         print(
             f"mmserve: engine ready: KV cache {ready.kv_cache_tokens} tokens ({kv_mb:.1f} MB, "
-            f"{ready.kv_bytes_per_token} bytes/token), max model len {ready.max_model_len}",
+            f"{ready.kv_bytes_per_token} bytes/token)"
+            + (
+                f", state cache {ready.state_slots} request states ({ready.state_cache_bytes / 2**20:.1f} MB)"
+                if ready.state_slots
+                else ""
+            )
+            + f", max model len {ready.max_model_len}",
             flush=True,
         )
         logger.info(

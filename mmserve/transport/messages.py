@@ -125,6 +125,8 @@ class ReadyMsg(msgspec.Struct, tag="ready"):
         None  # decode engine: where prefill engines hand requests over (mmserve.disagg)
     )
     kv_backends: list[str] = []  # KV transfer backends this engine can use ("zmq", "mooncake")
+    state_slots: int = 0  # a hybrid model's request states (running and prefix-cache checkpoints); 0: none
+    state_cache_bytes: int = 0
 
 
 class AcceptedMsg(msgspec.Struct, tag="accepted"):
