@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from mmserve.config import EngineConfig
+from mmserve.engine.cache.budget import available_memory_bytes, build_kv_pool
 from mmserve.engine.cache.kv_pool import KVPool, uniform_specs
-from mmserve.engine.engine import available_memory_bytes, build_kv_pool
 from mmserve.models.loader import load_model_config
 
 

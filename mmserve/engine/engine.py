@@ -12,15 +12,14 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import logging
-import os
 from dataclasses import dataclass
 
 import torch
 
 from mmserve.config import EngineConfig, ModelConfig
+from mmserve.engine.cache.budget import build_kv_pool, build_state_pool
 from mmserve.engine.cache.kv_pool import KVPool
 from mmserve.engine.cache.radix_cache import NoPrefixCache, RadixCache
-from mmserve.engine.cache.state_pool import StatePool, state_bytes
 from mmserve.engine.cache.transfer import CacheTransfer
 from mmserve.engine.cache_salt import check_cache_salt
 from mmserve.engine.logits_processors import RowState
@@ -32,7 +31,6 @@ from mmserve.engine.sampler import Sampler, make_generator
 from mmserve.engine.scheduler import Scheduler, SchedulerConfig
 from mmserve.logprobs import TokenLogprobs
 from mmserve.models.family import ModelFamily, check_pixel_limit, load_family
-from mmserve.models.layer_specs import LayerSpec, LinearStateSpec
 from mmserve.models.loader import load_hf_config, parse_dtype
 from mmserve.multimodal.embedding import PlacedEmbedding
 from mmserve.multimodal.items import ItemEmbedding, MultimodalItem
@@ -91,47 +89,6 @@ def _label(name: str):
     if torch.autograd._profiler_enabled():
         return torch.profiler.record_function(name)
     return contextlib.nullcontext()
-
-
-def available_memory_bytes(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
-
-
-def build_kv_pool(cfg: EngineConfig, model: ModelConfig, specs: tuple[LayerSpec, ...]) -> KVPool:
-    """`--kv-cache-mb` if given; else room for `max_num_seqs` requests of `max_model_len` tokens each, capped
-    at `kv_cache_memory_fraction` of the memory available now (a tiny model gets megabytes, not gigabytes)."""
-    device, dtype = torch.device(cfg.device), parse_dtype(cfg.dtype)
-    per_token = KVPool.bytes_per_token(specs, dtype)
-    if cfg.kv_cache_mb is not None:
-        budget = int(cfg.kv_cache_mb * 1024 * 1024)
-    else:
-        cap = int(available_memory_bytes(device) * cfg.kv_cache_memory_fraction)
-        budget = min(cap, per_token * model.max_model_len * cfg.max_num_seqs)
-    if budget < per_token:
-        raise ValueError(f"KV cache budget of {budget} bytes holds no token ({per_token} bytes per token)")
-    return KVPool.from_budget(budget, specs, dtype, device)
-
-
-def build_state_pool(cfg: EngineConfig, specs: tuple[LayerSpec, ...]) -> StatePool | None:
-    """The linear-attention layers' state pool (None for a model without them): `--state-cache-mb` if given;
-    else one running state and one checkpoint per `max_num_seqs` request, capped as the KV budget is."""
-    linear = {i: s for i, s in enumerate(specs) if isinstance(s, LinearStateSpec)}
-    if not linear:
-        return None
-    device, dtype = torch.device(cfg.device), parse_dtype(cfg.dtype)
-    per_state = state_bytes(linear, dtype)
-    if cfg.state_cache_mb is not None:
-        budget = int(cfg.state_cache_mb * 1024 * 1024)
-    else:
-        cap = int(available_memory_bytes(device) * cfg.kv_cache_memory_fraction)
-        budget = max(per_state, min(cap, per_state * 2 * cfg.max_num_seqs))
-    return StatePool.from_budget(budget, linear, dtype, device)
 
 
 class Engine:
