@@ -49,3 +49,17 @@ def test_bench_engine_reports_the_decode_step_against_its_gemm_floor(tiny_qwen2_
     # HF's two requests bracket the engine's runs (the machine drifts): one before, one after
     order = [line.split()[2] for line in done.stdout.splitlines() if line.startswith("round 1 ")]
     assert order == ["hf", *["engine"] * 8, "hf"], done.stdout
+
+
+def test_bench_engine_without_the_profile_times_the_step_and_its_floor_only(tiny_qwen2_vl, tmp_path):
+    out = tmp_path / "engine.json"
+    args = ["--concurrency", "2", "--num-requests", "2", "--hf-requests", "1", "--output-tokens", "8"]
+    args += ["--rounds", "1", "--image-size", "32x32", "--kv-cache-mb", "8", "--json", str(out), "--no-profile"]
+    done = run_cli("bench", "engine", "--model", tiny_qwen2_vl, *args)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (run,) = json.loads(out.read_text())["rounds"]["engine c=2"]
+    step = run["decode_step"]
+    assert step["rows"] == 2 and step["step_ms"] > 0 and step["gemm_floor_ms"] > 0
+    assert step["breakdown_ms"] == {}  # the profiler never ran
+    *_, row = (line for line in done.stdout.splitlines() if line.startswith("| engine c=2 |"))  # the step table's
+    assert row.endswith("| - | - | - | - | - |"), row

@@ -236,8 +236,9 @@ def step_report(results: dict[str, list[RunResult]]) -> str:
             continue
         step = statistics.median(c.step_ms for c in costs)
         floor = statistics.median(c.gemm_floor_ms for c in costs)
-        parts = [statistics.median(c.breakdown_ms.get(k, 0.0) for c in costs) for k in CATEGORIES]
-        cells = " | ".join(f"{p:.1f}" for p in parts)
+        profiled = [c for c in costs if c.breakdown_ms]  # none with --no-profile: no breakdown, not zeros
+        parts = [statistics.median(c.breakdown_ms[k] for c in profiled) for k in CATEGORIES] if profiled else []
+        cells = " | ".join(f"{p:.1f}" for p in parts) if parts else " | ".join("-" for _ in CATEGORIES)
         lines.append(f"| {name} | {step:.1f} | {floor:.1f} | {step / floor:.2f}x | {cells} |")
     return "\n".join(lines)
 
