@@ -114,8 +114,10 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, model_path: str, hf_config, max_model_len: int | None = None) -> ModelConfig:
+        from mmserve.models.layer_specs import head_shape
+
         text = hf_config.get_text_config()
-        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        kv_heads, head_dim = head_shape(text, 0)  # the first layer's: layers may differ (the specs say how)
         eos = getattr(text, "eos_token_id", None) or getattr(hf_config, "eos_token_id", None)
         eos_ids = tuple(eos) if isinstance(eos, list | tuple) else ((eos,) if eos is not None else ())
         return cls(
@@ -125,7 +127,7 @@ class ModelConfig:
             hidden_size=text.hidden_size,
             num_layers=text.num_hidden_layers,
             num_heads=text.num_attention_heads,
-            num_kv_heads=getattr(text, "num_key_value_heads", None) or text.num_attention_heads,
+            num_kv_heads=kv_heads,
             head_dim=head_dim,
             max_model_len=min(max_model_len or text.max_position_embeddings, text.max_position_embeddings),
             eos_token_ids=eos_ids,

@@ -61,4 +61,6 @@ FAMILIES = {
     "qwen3_5_moe": FamilyCases("qwen3_5_moe", "image", QWEN3_VIDEO, has_video=True),
     "llava_onevision": FamilyCases("llava_onevision", "image", has_video=True),
     "qwen2_audio": FamilyCases("qwen2_audio", "audio"),
+    "gemma3": FamilyCases("gemma3", "image"),
+    "gemma4": FamilyCases("gemma4", "image", has_video=True),
 }

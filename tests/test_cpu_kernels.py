@@ -118,6 +118,8 @@ def decode_case(dtype, batch, heads, kv_heads, dim, seed, runs=False):
         (4, 4, 64, False),  # G = 1 (MHA)
         (16, 1, 64, True),  # G = 16
         (6, 2, 80, False),  # any head size
+        (8, 4, 256, True),  # Gemma 3's head size
+        (8, 1, 512, False),  # Gemma 4's full layers'
     ],
 )
 def test_decode_attention_matches_sdpa(kernels, dtype, heads, kv_heads, dim, runs):

@@ -157,12 +157,12 @@ def test_a_failing_batch_ends_only_its_requests_and_caches_no_garbage(tiny_qwen2
     runner, real = llm.engine.runner, llm.engine.runner.forward
     target = {"rid": None, "failures": 0}
 
-    def flaky(chunks, pool, states=None):
+    def flaky(chunks, pool, states=None, window_pool=None):
         for c in chunks:
             if c.request.request_id == target["rid"] and c.start >= c.request.prompt_len + 2:
                 target["failures"] += 1
                 raise RuntimeError("injected kernel failure")
-        return real(chunks, pool, states)
+        return real(chunks, pool, states, window_pool)
 
     monkeypatch.setattr(runner, "forward", flaky)
     other = image_case([62], "Another request.")

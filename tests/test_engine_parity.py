@@ -47,6 +47,9 @@ def assert_idle_and_clean(llm: LLM) -> None:
     if engine.states is not None:
         assert engine.states.num_used == 0
         engine.states.check_integrity()
+    if engine.window_pool is not None:
+        assert engine.window_pool.num_used == 0
+        engine.window_pool.check_integrity()
 
 
 def run_and_compare(llm: LLM, oracle, cases, check_logits: bool = True):

@@ -202,13 +202,11 @@ def test_negative_control_moe_routing_with_the_wrong_top_k(arch, tiny_model, ora
 def test_an_unsupported_layer_kind_is_refused_at_load_naming_it(tmp_path):
     from mmserve.testing.tiny_models import build_tiny_model
 
-    def sliding(config):
-        config.text_config.layer_types = ["sliding_attention", "full_attention"]
-        config.text_config.sliding_window = 4
-        config.text_config.use_sliding_window = True
+    def chunked(config):
+        config.text_config.layer_types = ["chunked_attention", "full_attention"]
 
-    model = build_tiny_model(str(tmp_path / "sliding"), "qwen2_vl", edit_config=sliding)
-    with pytest.raises(UnsupportedLayerKind, match=r"layer 0 is attention .*sliding window 4.* does not run"):
+    model = build_tiny_model(str(tmp_path / "chunked"), "qwen2_vl", edit_config=chunked)
+    with pytest.raises(UnsupportedLayerKind, match=r"layer 0 is 'chunked_attention', a layer kind .* does not run"):
         make_llm(model)
 
 

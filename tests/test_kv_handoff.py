@@ -311,8 +311,8 @@ def test_a_request_that_cannot_be_recomputed_fails_instead_of_being_retracted(ti
         0,
         [],
     )
-    slots, state_slot = d.reserve(20, state=False)
-    d.adopt(_request("r", state), slots, state_slot)
+    held = d.reserve(20, state=False)
+    d.adopt(_request("r", state), held)
     dropped = []
     for _ in range(40):
         if not d.has_work:
@@ -357,10 +357,10 @@ def test_negative_control_a_handoff_without_its_state_decodes_wrong(tiny_model, 
         transfer = hybrid.d.transfer
         real = transfer.write
 
-        def stateless(slots, state_slot, data):  # the rows arrive, the state is left as the slot was
-            real(slots, state_slot, data)
-            if state_slot is not None:
-                transfer.states.scatter(state_slot, torch.zeros(transfer.state_bytes, dtype=torch.uint8))
+        def stateless(cache, data):  # the rows arrive, the state is left as the slot was
+            real(cache, data)
+            if cache.state_slot is not None:
+                transfer.states.scatter(cache.state_slot, torch.zeros(transfer.state_bytes, dtype=torch.uint8))
 
         monkeypatch.setattr(transfer, "write", stateless)
         room = hybrid.submit(PROMPTS[2], params)

@@ -213,7 +213,11 @@ def engine_stats(sched: Scheduler) -> StatsMsg:
         held_bytes=0,
     )
     engine = SimpleNamespace(
-        scheduler=sched, pool=sched.pool, states=None, overlap=SimpleNamespace(stages=0, tokens=0)
+        scheduler=sched,
+        pool=sched.pool,
+        states=None,
+        window_pool=None,
+        overlap=SimpleNamespace(stages=0, tokens=0),
     )
     engine.stats = lambda: Engine.stats(engine)
     loop = SimpleNamespace(

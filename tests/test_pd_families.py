@@ -27,6 +27,8 @@ BACKEND = {
     "qwen3_5_moe": "mooncake",  # the state written into the decode engine's state pool
     "llava_onevision": "mooncake",
     "qwen2_audio": "mooncake",
+    "gemma3": "zmq",  # the window rows of the prompt's last W - 1 tokens ride on the commit
+    "gemma4": "mooncake",  # ... and are written into the decode engine's window pool
 }
 
 

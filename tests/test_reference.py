@@ -17,6 +17,8 @@ HF_PROCESSORS = {
     "qwen3_5_moe": "Qwen3VLProcessor",
     "llava_onevision": "LlavaOnevisionProcessor",
     "qwen2_audio": "Qwen2AudioProcessor",
+    "gemma3": "Gemma3Processor",
+    "gemma4": "Gemma4Processor",
 }
 
 

@@ -87,15 +87,13 @@ def test_a_failing_worker_ends_the_start_up_with_its_reason(program, reason):
 def test_a_checkpoint_with_a_layer_kind_mmserve_does_not_run_fails_at_start_in_one_line(tmp_path):
     from mmserve.testing.tiny_models import build_tiny_model
 
-    def sliding(config):  # Qwen2-VL with a sliding-window layer: not a kind the engine runs (yet)
-        config.text_config.layer_types = ["sliding_attention", "full_attention"]
-        config.text_config.sliding_window = 4
-        config.text_config.use_sliding_window = True
+    def chunked(config):  # Qwen2-VL with a chunked-attention layer (Llama 4's): not a kind the engine runs
+        config.text_config.layer_types = ["chunked_attention", "full_attention"]
 
-    model = build_tiny_model(str(tmp_path / "sliding"), "qwen2_vl", edit_config=sliding)
+    model = build_tiny_model(str(tmp_path / "chunked"), "qwen2_vl", edit_config=chunked)
     cmd = [sys.executable, "-m", "mmserve.cli", "serve", model, "--port", str(free_port())]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert done.returncode == 1
     errors = [line for line in done.stderr.splitlines() if "cannot start" in line]
-    assert errors and "decoder layer 0 is attention (2 KV heads x 16, sliding window 4)" in errors[-1]
+    assert errors and "decoder layer 0 is 'chunked_attention'" in errors[-1]
     assert "does not run" in errors[-1] and "Traceback" not in done.stderr, done.stderr

@@ -86,10 +86,10 @@ class Handoffs:
         )
         from mmserve.disagg.kv_sender import HandoffJob
 
-        slots, state_slot = self.engine.handoff_cache(req)
+        cache = self.engine.handoff_cache(req)
         self.in_flight[req.request_id] = req
         deadline = time.monotonic() + self.timeout_s
-        self.sender.submit(HandoffJob(req.request_id, req.handoff, state, slots, deadline, state_slot))
+        self.sender.submit(HandoffJob(req.request_id, req.handoff, state, cache, deadline))
 
     def drain(self) -> list:
         if self.bootstrap is not None:

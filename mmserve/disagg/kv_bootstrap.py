@@ -27,6 +27,7 @@ import torch
 import zmq
 
 from mmserve.disagg import kv_messages as k
+from mmserve.engine.cache.transfer import HandoffSlots
 from mmserve.engine.engine import Engine
 from mmserve.engine.request import Request
 from mmserve.transport import messages as m
@@ -41,8 +42,7 @@ class _Room:
     deadline: float  # time.monotonic()
     expected: bool = False  # the API server's AdoptReq arrived
     peer: bytes | None = None  # ROUTER identity of the prefill engine
-    slots: torch.Tensor | None = None  # reserved (ours until adoption)
-    state_slot: int | None = None  # reserved for a hybrid model's linear-attention state
+    held: HandoffSlots | None = None  # reserved (ours until adoption): KV, window rows, a hybrid's state slot
     total: int = 0
     request: Request | None = None  # committed, waiting for the AdoptReq
     accepted: list = field(default_factory=list)  # its first messages for the API server
@@ -184,7 +184,7 @@ class KvBootstrap:
                 f"{msg.total} tokens (prompt + max_tokens) never fit this decode engine "
                 f"({engine.max_request_tokens} tokens at most)",
             )
-        pending = sum(r.total - r.slots.numel() for r in self.rooms.values() if r.slots is not None)
+        pending = sum(r.total - r.held.slots.numel() for r in self.rooms.values() if r.held is not None)
         room_left = engine.handoff_room() - pending
         if msg.total > room_left:
             return refuse(
@@ -197,37 +197,40 @@ class KvBootstrap:
         if msg.rows and msg.state != (engine.states is not None):
             message = "a hybrid model's handoff carries its linear-attention state, and only a hybrid model's does"
             return refuse(400, "bad_handoff", message)
-        reserved = engine.reserve(msg.rows, msg.state)
-        if reserved is None:  # KV counted free above: short of state slots (or the accounting is wrong)
-            return refuse(503, "decode_at_capacity", "decode engine could not reserve KV slots and a state slot")
-        slots, state_slot = reserved
+        window_rows = min(msg.rows, engine.window - 1) if engine.window is not None else 0
+        if msg.window_rows != window_rows:
+            message = f"{msg.window_rows} sliding-window rows sent with {msg.rows} rows, {window_rows} expected"
+            return refuse(400, "bad_handoff", message)
+        held = engine.reserve(msg.rows, msg.state)
+        if held is None:  # KV counted free above: short of state or window slots (or the accounting is wrong)
+            return refuse(503, "decode_at_capacity", "decode engine could not reserve its cache slots")
         if msg.order:
-            slots = slots.sort().values[torch.tensor(msg.order, dtype=torch.int64)]
+            held.slots = held.slots.sort().values[torch.tensor(msg.order, dtype=torch.int64)]
         if room is None:
             room = self.rooms[msg.room] = _Room(0.0)
         # From here the transfer has kv_transfer_timeout_s to commit, however long the prefill queue was.
         room.deadline = time.monotonic() + self.timeout_s
-        room.peer, room.slots, room.state_slot, room.total = peer, slots, state_slot, msg.total
+        room.peer, room.held, room.total = peer, held, msg.total
         target = self.mooncake.target() if msg.backend == "mooncake" else None
-        return k.Reserved(msg.room, slots.tolist(), target, state_slot)
+        window = held.window_slots.tolist() if held.window_slots is not None else []
+        return k.Reserved(msg.room, held.slots.tolist(), target, held.state_slot, window)
 
     def _commit(self, msg: k.Commit, payload, out: list):
         room = self.rooms.get(msg.room)
-        if room is None or room.slots is None or room.request is not None:
+        if room is None or room.held is None or room.request is not None:
             return k.Refused(
                 msg.room, m.Failure(409, "unknown_room", f"no reservation for room {msg.room!r}")
             )
         state = msg.state
         try:
-            rows = room.slots.numel()
+            rows = room.held.slots.numel()
             if state.finish_reason is None and rows != len(state.prompt_ids):
                 raise ValueError(f"{rows} rows reserved for a {len(state.prompt_ids)}-token prompt")
             transfer = self.engine.transfer
             if len(payload):  # zmq backend: the rows (and the state) ride on the commit
                 data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-                transfer.write(room.slots, room.state_slot, data)
-            state_bytes = transfer.state_bytes if room.state_slot is not None else 0
-            self.bytes_received += transfer.kv_bytes(rows) + state_bytes
+                transfer.write(room.held, data)
+            self.bytes_received += transfer.nbytes(room.held)
             room.request = _request(msg.room, state)
         except (ValueError, RuntimeError) as e:
             self._end(msg.room, m.Failure(502, "kv_transfer_failed", f"bad KV handoff: {e}"), out)
@@ -272,12 +275,12 @@ class KvBootstrap:
         out.extend(room.accepted)
         self.handoffs += 1
         if req.finished:  # the first token ended it: nothing to decode, nothing was reserved
-            self.engine.unreserve(room.slots, room.state_slot)
+            self.engine.unreserve(room.held)
             return
         try:
-            self.engine.adopt(req, room.slots, room.state_slot)
+            self.engine.adopt(req, room.held)
         except ValueError as e:
-            self.engine.unreserve(room.slots, room.state_slot)
+            self.engine.unreserve(room.held)
             out[-len(room.accepted) :] = [m.ErrorMsg(rid, m.Failure(409, "duplicate_request", str(e)))]
 
     def _end(self, rid: str, failure: m.Failure | None, out: list) -> None:
@@ -286,8 +289,8 @@ class KvBootstrap:
         room = self.rooms.pop(rid, None)
         if room is None:
             return
-        if room.slots is not None:
-            self.engine.unreserve(room.slots, room.state_slot)
+        if room.held is not None:
+            self.engine.unreserve(room.held)
         if failure is not None and room.expected:
             out.append(m.ErrorMsg(rid, failure))
 

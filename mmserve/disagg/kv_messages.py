@@ -9,8 +9,9 @@ per decode engine it hands requests to. Per request (a *room*, named by the rout
     P: Commit(room, state) [+ rows]  -> D: Committed | Refused
     P: Cancel(room)                  (abort or timeout on the prefill side; no answer)
 
-Frames: ``[message, payload, mac]``; payload is the raw KV rows (every plane) then, for hybrid models, the
-linear layers' state of a ZMQ commit, else empty; mac is present only with a cluster secret (HMAC over message
+Frames: ``[message, payload, mac]``; payload is the raw KV rows (every plane), then for sliding-window models
+the window rows (every plane of the window pool), then for hybrid models the linear layers' state, of a ZMQ
+commit, else empty; mac is present only with a cluster secret (HMAC over message
 and payload, mmserve.transport.cluster_auth). Nothing here can carry code: msgspec decodes only these tagged
 structs. A Reserve's `version` is read before its schema (`protocol_version`): a peer speaking another version
 is refused with an error naming both, not left waiting on a message it cannot decode.
@@ -26,7 +27,8 @@ from mmserve.transport.messages import Failure, KvTarget  # noqa: F401 (KvTarget
 
 BACKENDS = ("zmq", "mooncake")
 # 2: per-kind cache layouts (KV rows only for layers that have them, linear-attention state with them)
-KV_PROTOCOL_VERSION = 2
+# 3: sliding-window layers' rows in a pool of their own: only the prompt's last W - 1 travel
+KV_PROTOCOL_VERSION = 3
 
 
 class CacheLayout(msgspec.Struct, frozen=True):
@@ -68,11 +70,13 @@ class MooncakeRegion(msgspec.Struct, frozen=True):
 
 
 class MooncakeTarget(msgspec.Struct, frozen=True):
-    """Where the prefill engine writes: the decode engine's KV pool and (hybrid models) its state pool."""
+    """Where the prefill engine writes: the decode engine's KV pool, (hybrid models) its state pool and
+    (sliding-window models) its window pool."""
 
     session: str  # "host:rpc_port" of the decode engine's transfer engine
     kv: MooncakeRegion
     state: MooncakeRegion | None = None
+    window: MooncakeRegion | None = None
 
 
 class HandoffState(msgspec.Struct, frozen=True):
@@ -107,6 +111,7 @@ class Reserve(msgspec.Struct, tag="reserve"):
     backend: str
     sent_at: float
     state: bool = False  # a linear-attention state comes with the rows (hybrid models): reserve a state slot
+    window_rows: int = 0  # sliding-window rows that come too (the prompt's last W - 1): reserve window slots
     # Rank of each row's source slot among the prefill engine's slots: the decode engine orders its reserved
     # slots the same way, so rows consecutive at the source land consecutive too (one Mooncake segment).
     order: list[int] = []
@@ -129,6 +134,7 @@ class Reserved(msgspec.Struct, tag="reserved"):
     slots: list[int]
     mooncake: MooncakeTarget | None = None  # set when the reservation asked for the mooncake backend
     state_slot: int | None = None  # set when the reservation asked for a state
+    window_slots: list[int] = []  # one per window row asked for
 
 
 class Committed(msgspec.Struct, tag="committed"):

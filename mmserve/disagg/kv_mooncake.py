@@ -18,7 +18,7 @@ import threading
 import torch
 
 from mmserve.disagg.kv_messages import MooncakeRegion, MooncakeTarget, Plane
-from mmserve.engine.cache.transfer import CacheTransfer, Region
+from mmserve.engine.cache.transfer import CacheTransfer, HandoffSlots, Region
 
 
 class KvMooncake:
@@ -35,8 +35,9 @@ class KvMooncake:
             raise OSError(f"Mooncake transfer engine did not start on {host}")
         self.kv = transfer.kv_region()
         self.state = transfer.state_region()
+        self.window = transfer.window_region()
         self._registered: list[int] = []
-        for region in (self.kv, self.state):
+        for region in (self.kv, self.state, self.window):
             if region is None:
                 continue
             if self.engine.register_memory(region.address, region.nbytes) != 0:
@@ -47,34 +48,30 @@ class KvMooncake:
         self._lock = threading.Lock()  # one batch at a time through this engine (peer threads share it)
 
     def target(self) -> MooncakeTarget:
-        return MooncakeTarget(self.session, _wire(self.kv), _wire(self.state) if self.state else None)
+        return MooncakeTarget(
+            self.session,
+            _wire(self.kv),
+            _wire(self.state) if self.state else None,
+            _wire(self.window) if self.window else None,
+        )
 
-    def write(
-        self,
-        target: MooncakeTarget,
-        src_slots: torch.Tensor,
-        dst_slots: list[int],
-        src_state: int | None = None,
-        dst_state: int | None = None,
-    ) -> int:
-        """Write every plane's rows of our `src_slots` into the peer's `dst_slots` (and our state slot's rows into
-        its `dst_state`). Returns the bytes moved; raises ValueError when the peer's planes do not match ours and
+    def write(self, target: MooncakeTarget, src: HandoffSlots, dst: HandoffSlots) -> int:
+        """Write every plane's rows of our slots `src` into the peer's `dst` (KV rows, window rows, the state
+        slot's rows). Returns the bytes moved; raises ValueError when the peer's planes do not match ours and
         OSError when the transfer engine reports a failure."""
         srcs, dsts, lens = [], [], []
-        _check_planes(self.kv, target.kv, "KV")
-        runs = _runs(src_slots.tolist(), dst_slots)
-        for (src_off, row), dst_plane in zip(self.kv.planes, target.kv.planes, strict=True):
-            for src, dst, n in runs:
-                srcs.append(self.kv.address + src_off + src * row)
-                dsts.append(target.kv.address + dst_plane.offset + dst * row)
-                lens.append(n * row)
-        if src_state is not None:
-            if self.state is None or target.state is None or dst_state is None:
+        _rows(self.kv, target.kv, src.slots, dst.slots, "KV", (srcs, dsts, lens))
+        if src.window_slots is not None:
+            if self.window is None or target.window is None or dst.window_slots is None:
+                raise ValueError("sliding-window rows to write, but no window pool on one side")
+            _rows(self.window, target.window, src.window_slots, dst.window_slots, "window", (srcs, dsts, lens))
+        if src.state_slot is not None:
+            if self.state is None or target.state is None or dst.state_slot is None:
                 raise ValueError("a linear-attention state to write, but no state pool on one side")
             _check_planes(self.state, target.state, "state")
             for (src_off, row), dst_plane in zip(self.state.planes, target.state.planes, strict=True):
-                srcs.append(self.state.address + src_off + src_state * row)
-                dsts.append(target.state.address + dst_plane.offset + dst_state * row)
+                srcs.append(self.state.address + src_off + src.state_slot * row)
+                dsts.append(target.state.address + dst_plane.offset + dst.state_slot * row)
                 lens.append(row)
         if not srcs:
             return 0
@@ -89,6 +86,18 @@ class KvMooncake:
             with contextlib.suppress(Exception):
                 self.engine.unregister_memory(address)
         self._registered = []
+
+
+def _rows(ours: Region, theirs: MooncakeRegion, src: torch.Tensor, dst: torch.Tensor, what: str, out) -> None:
+    """Segments moving our rows `src` of every plane of `ours` to rows `dst` of the peer's planes, appended to
+    out = (sources, destinations, lengths); runs of consecutive rows on both sides go as one segment."""
+    _check_planes(ours, theirs, what)
+    runs = _runs(src.tolist(), dst.tolist())
+    for (src_off, row), dst_plane in zip(ours.planes, theirs.planes, strict=True):
+        for s, d, n in runs:
+            out[0].append(ours.address + src_off + s * row)
+            out[1].append(theirs.address + dst_plane.offset + d * row)
+            out[2].append(n * row)
 
 
 def _wire(region: Region) -> MooncakeRegion:

@@ -28,7 +28,7 @@ import torch
 import zmq
 
 from mmserve.disagg import kv_messages as k
-from mmserve.engine.cache.transfer import CacheTransfer
+from mmserve.engine.cache.transfer import CacheTransfer, HandoffSlots
 from mmserve.omp_pools import release_thread_pool
 from mmserve.transport.cluster_auth import ClusterSecret
 from mmserve.transport.handoff import Handoff
@@ -42,9 +42,8 @@ class HandoffJob:
     request_id: str
     target: k.KvTarget
     state: k.HandoffState
-    slots: torch.Tensor  # the prompt's slots in our pool (held by the detached request)
+    cache: HandoffSlots  # the prompt's slots in our pools and its state slot (held by the detached request)
     deadline: float  # time.monotonic()
-    state_slot: int | None = None  # hybrid models: its linear-attention state after the prompt (held likewise)
 
 
 @dataclass
@@ -159,43 +158,61 @@ class _Peer:
 
     def _handoff(self, sock: zmq.Socket, job: HandoffJob) -> int:
         room, handoff = job.target.room, job.state
-        rows = 0 if handoff.finish_reason is not None else job.slots.numel()
-        total = 0 if handoff.finish_reason is not None else len(handoff.prompt_ids) + handoff.sampling.max_tokens
+        cache = job.cache
+        done = handoff.finish_reason is not None  # the first token ended it: nothing moves
+        rows = 0 if done else cache.slots.numel()
+        total = 0 if done else len(handoff.prompt_ids) + handoff.sampling.max_tokens
+        window_rows = 0 if done or cache.window_slots is None else cache.window_slots.numel()
         backend = job.target.backend
         order: list[int] = []
         if rows and backend == "mooncake":
-            ranks = torch.empty_like(job.slots)
-            ranks[job.slots.argsort()] = torch.arange(rows)
+            ranks = torch.empty_like(cache.slots)
+            ranks[cache.slots.argsort()] = torch.arange(rows)
             order = ranks.tolist()
-        state = rows > 0 and job.state_slot is not None
+        state = rows > 0 and cache.state_slot is not None
         reserve = k.Reserve(
-            k.KV_PROTOCOL_VERSION, room, rows, total, self.sender.layout, backend, time.time(), state, order
+            k.KV_PROTOCOL_VERSION,
+            room,
+            rows,
+            total,
+            self.sender.layout,
+            backend,
+            time.time(),
+            state=state,
+            order=order,
+            window_rows=window_rows,
         )
         self._send(sock, reserve)
         reply = self._reply(sock, job, "reservation")
         if isinstance(reply, k.Refused):
             raise HandoffError(reply.failure)
         assert isinstance(reply, k.Reserved)
-        if len(reply.slots) != rows or (reply.state_slot is None) == state:
+        if len(reply.slots) != rows or (reply.state_slot is None) == state or len(reply.window_slots) != window_rows:
             raise HandoffError(
                 Failure(
                     502,
                     "kv_transfer_failed",
-                    f"decode engine reserved {len(reply.slots)} slots for {rows} rows"
+                    f"decode engine reserved {len(reply.slots)} slots for {rows} rows, "
+                    f"{len(reply.window_slots)} window slots for {window_rows}"
                     + (" and no state slot" if state and reply.state_slot is None else ""),
                 )
             )
         self._check_cancel(sock, job)
         payload: bytes | memoryview = b""
+        src = HandoffSlots(cache.slots, cache.window_slots if window_rows else None, cache.state_slot if state else None)
         if rows and backend == "mooncake":
             if reply.mooncake is None:
                 raise HandoffError(
                     Failure(502, "kv_transfer_failed", "decode engine offers no Mooncake target")
                 )
-            src_state = job.state_slot if state else None
-            moved = self.sender.mooncake().write(reply.mooncake, job.slots, reply.slots, src_state, reply.state_slot)
+            dst = HandoffSlots(
+                torch.tensor(reply.slots, dtype=torch.int64),
+                torch.tensor(reply.window_slots, dtype=torch.int64) if window_rows else None,
+                reply.state_slot,
+            )
+            moved = self.sender.mooncake().write(reply.mooncake, src, dst)
         elif rows:
-            data = self.sender.transfer.read(job.slots, job.state_slot if state else None)  # KV planes, then state
+            data = self.sender.transfer.read(src)  # KV planes, then window planes, then state
             payload = memoryview(data.numpy())
             moved = payload.nbytes
         else:

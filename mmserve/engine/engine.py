@@ -17,10 +17,10 @@ from dataclasses import dataclass
 import torch
 
 from mmserve.config import EngineConfig, ModelConfig
-from mmserve.engine.cache.budget import build_kv_pool, build_state_pool
+from mmserve.engine.cache.budget import build_kv_pools, build_state_pool
 from mmserve.engine.cache.kv_pool import KVPool
 from mmserve.engine.cache.radix_cache import NoPrefixCache, RadixCache
-from mmserve.engine.cache.transfer import CacheTransfer
+from mmserve.engine.cache.transfer import CacheTransfer, HandoffSlots
 from mmserve.engine.cache_salt import check_cache_salt
 from mmserve.engine.logits_processors import RowState
 from mmserve.engine.logprobs import token_logprobs
@@ -31,6 +31,7 @@ from mmserve.engine.sampler import Sampler, make_generator
 from mmserve.engine.scheduler import Scheduler, SchedulerConfig
 from mmserve.logprobs import TokenLogprobs
 from mmserve.models.family import ModelFamily, check_pixel_limit, load_family
+from mmserve.models.layer_specs import has_item_blocks, window_of
 from mmserve.models.loader import load_hf_config, parse_dtype
 from mmserve.multimodal.embedding import PlacedEmbedding
 from mmserve.multimodal.items import ItemEmbedding, MultimodalItem
@@ -69,6 +70,8 @@ class EngineStats:
     state_slots: int = 0  # hybrid models: the state pool
     state_slots_used: int = 0
     state_checkpoints: int = 0  # held by the prefix cache
+    window_rows: int = 0  # models with sliding-window layers: the window pool
+    window_rows_used: int = 0
 
 
 @dataclass
@@ -108,16 +111,24 @@ class Engine:
             cfg.fp32_gemm,
         )
         specs = self.family.layer_specs
-        self.pool = build_kv_pool(cfg, self.model_config, specs)
+        self.pool, self.window_pool = build_kv_pools(cfg, self.model_config, specs)
+        self.window = window_of(specs)
         self.states = build_state_pool(cfg, specs)
         # A decode server never prefills, so a prefix cache would only hold slots (mmserve.disagg).
         no_prefix = cfg.disable_prefix_cache or cfg.disaggregation_mode == "decode"
-        prefix_cache = NoPrefixCache(self.states) if no_prefix else RadixCache(self.pool, self.states)
+        prefix_cache = (
+            NoPrefixCache(self.states)
+            if no_prefix
+            else RadixCache(self.pool, self.states, self.window_pool, self.window)
+        )
         sched_cfg = SchedulerConfig(
             cfg.max_num_batched_tokens, cfg.max_num_seqs, self.model_config.max_model_len
         )
-        self.scheduler = Scheduler(sched_cfg, self.pool, prefix_cache, self.states)
-        self.transfer = CacheTransfer(specs, self.pool, self.states)  # a request's cache as bytes (P/D)
+        self.scheduler = Scheduler(
+            sched_cfg, self.pool, prefix_cache, self.states, self.window_pool, self.window
+        )
+        # a request's cache as bytes (P/D)
+        self.transfer = CacheTransfer(specs, self.pool, self.states, self.window_pool)
         # The structured-output compiler's tokenizer view takes seconds for a real vocabulary: built on a
         # thread from the start, so neither start-up nor the first constrained request waits for all of it.
         self._grammar = concurrent.futures.ThreadPoolExecutor(1, "grammar").submit(self._build_grammar)
@@ -130,14 +141,24 @@ class Engine:
         # n > 1: choices that wait until the first choice's prompt is in the prefix cache (prefilled once)
         self.held: dict[str, list[Request]] = {}
         self.placeholder_ids = frozenset(getattr(self.family, "placeholders", {}).values())
+        # items computed whole where their tokens attend both ways
+        self.item_blocks = has_item_blocks(specs)
         self.overlap = OverlapStages(self)  # encode-prefill overlap: a request's prompt prefilled in stages
-        per_token = self.kv_bytes_per_token = KVPool.bytes_per_token(specs, parse_dtype(cfg.dtype))
+        per_token = self.kv_bytes_per_token = KVPool.bytes_per_token(
+            specs, parse_dtype(cfg.dtype), self.pool.layers
+        )
         kv_layers = sum(s.has_kv for s in specs)
         kv_mb = self.pool.num_slots * per_token / 2**20
         logger.info(
             "KV cache: %d tokens, %.1f MB (%d bytes per token, %d of %d layers with KV); max model len %d",
             *(self.pool.num_slots, kv_mb, per_token, kv_layers, len(specs), self.model_config.max_model_len),
         )
+        if self.window_pool is not None:
+            rows = self.window_pool
+            logger.info(
+                "sliding-window KV: %d rows, %.1f MB (%d bytes per row, window %d): freed once behind the window",
+                *(rows.num_slots, rows.num_slots * rows.token_bytes / 2**20, rows.token_bytes, self.window),
+            )
         if self.states is not None:
             states = self.states
             logger.info(
@@ -202,6 +223,7 @@ class Engine:
             else None
         )
         positions, rope_delta = self.family.positions(expanded)
+        blocks = self.family.bidirectional_blocks(expanded) if self.item_blocks else []
         ids = torch.tensor(expanded.token_ids, dtype=torch.int64)
         by_hash = {it.content_hash: it for it in items}
         embeddings = [
@@ -228,8 +250,10 @@ class Engine:
                     matcher=matchers[i] if matchers else None,
                     prefill_only=prefill_only,
                     own_prefill_tokens=own_prefill if i == 0 else 0,
+                    blocks=blocks,
                 )
             )
+        self.scheduler.check_window_fits(choices[0])
         for req in choices:
             self.requests[req.request_id] = req
         text = self.requests.get(text_prefill_id(request_id))
@@ -343,6 +367,8 @@ class Engine:
             state_slots=states.num_slots if states is not None else 0,
             state_slots_used=states.num_used if states is not None else 0,
             state_checkpoints=cache.num_states,
+            window_rows=self.window_pool.num_slots if self.window_pool is not None else 0,
+            window_rows_used=self.window_pool.num_used if self.window_pool is not None else 0,
         )
 
     # -- one step -------------------------------------------------------------------------------
@@ -365,7 +391,7 @@ class Engine:
             raise BatchFailed(list(dict.fromkeys(failed)), e) from e
 
     def _run(self, chunks: list) -> list[StepOutput]:
-        out = self.runner.forward(chunks, self.pool, self.states)
+        out = self.runner.forward(chunks, self.pool, self.states, self.window_pool)
         self.scheduler.finish_step(chunks)  # states advanced, checkpoints into the prefix cache
         for chunk in chunks:  # share finished prompts now, not at the end: concurrent requests reuse them
             if chunk.start < chunk.request.prompt_len <= chunk.end:
@@ -453,9 +479,14 @@ class Engine:
         prompt staying in the prefix cache for the next request that shares it."""
         self.scheduler.finish(req, "handoff" if ok else "error")
 
-    def handoff_cache(self, req: Request) -> tuple[torch.Tensor, int | None]:
-        """Prefill side: a detached request's prompt slots and state slot (held by it until `end_handoff`)."""
-        return req.slot_buffer[: req.prompt_len].clone(), req.state_slot
+    def handoff_cache(self, req: Request) -> HandoffSlots:
+        """Prefill side: a detached request's prompt slots, the window rows of its last W - 1 prompt tokens
+        (windowed models) and its state slot, held by it until `end_handoff`."""
+        n = req.prompt_len
+        rows = None
+        if req.window_buffer is not None:
+            rows = req.window_buffer[max(0, n - self.scheduler.window + 1) : n].clone()
+        return HandoffSlots(req.slot_buffer[:n].clone(), rows, req.state_slot)
 
     def handoff_room(self) -> int:
         """Decode side: KV slots a new handoff may take, beyond what the running requests may still grow into."""
@@ -466,25 +497,25 @@ class Engine:
         """The longest request (prompt + output) this engine can ever hold."""
         return min(self.pool.num_slots, self.model_config.max_model_len)
 
-    def reserve(self, rows: int, state: bool) -> tuple[torch.Tensor, int | None] | None:
-        """Decode side: slots for a handoff's `rows` KV rows and, with `state`, a state slot (owned by the caller
-        until `adopt` or `unreserve`); None when the pools are short."""
+    def reserve(self, rows: int, state: bool) -> HandoffSlots | None:
+        """Decode side: slots for a handoff's `rows` KV rows (and window rows for the last W - 1 of them, windowed
+        models) and, with `state`, a state slot, owned by the caller until `adopt` or `unreserve`; None when the
+        pools are short."""
         return self.scheduler.reserve(rows, state and self.states is not None)
 
-    def unreserve(self, slots: torch.Tensor, state_slot: int | None = None) -> None:
-        self.scheduler.unreserve(slots, state_slot)
+    def unreserve(self, held: HandoffSlots) -> None:
+        self.scheduler.unreserve(held)
 
-    def adopt(self, req: Request, slots, state_slot: int | None = None) -> None:
-        """Decode side: a handed-off request (`recomputable=False`, one output token) whose prompt KV is in
-        `slots` and whose linear layers' state (hybrid models) is in `state_slot` (reserved through `reserve`)
-        continues decoding here."""
+    def adopt(self, req: Request, held: HandoffSlots) -> None:
+        """Decode side: a handed-off request (`recomputable=False`, one output token) whose prompt's cache is in
+        the reserved slots `held` (written by the transfer) continues decoding here."""
         if req.request_id in self.requests:
             raise ValueError(f"duplicate request id {req.request_id!r}")
         if req.params.structured is not None:  # the matcher's state is rebuilt from the tokens so far
             req.matcher = self.grammar().matcher(req.params.structured)
             for token in req.output_ids:
                 req.matcher.accept(token)
-        self.scheduler.adopt(req, slots, state_slot)
+        self.scheduler.adopt(req, held)
         self.requests[req.request_id] = req
 
     def take_dropped(self) -> list[Request]:

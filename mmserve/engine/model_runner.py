@@ -21,7 +21,8 @@ from mmserve.engine.cache.state_pool import StatePool
 from mmserve.engine.cpu_kernels import kernels_for
 from mmserve.engine.fused_layers import DecodeStack, fuse_decoder_layers
 from mmserve.engine.layers import check_runnable
-from mmserve.engine.layers.attention import AttentionMetadata, SeqAttention, register_attention
+from mmserve.engine.layers.attention import register_attention
+from mmserve.engine.layers.attention_metadata import AttentionPlan
 from mmserve.engine.layers.linear_state import StateMetadata, StateSegment, wrap_linear_layers
 from mmserve.engine.packed_linear import PackedLinear, can_pack, pack_linears
 from mmserve.engine.request import Request
@@ -67,7 +68,9 @@ class ModelRunner:
         cpu_kernels: bool = True,
         fp32_gemm: str = "auto",
     ) -> None:
-        check_runnable(family.layer_specs)  # a layer kind the engine cannot run is refused, never approximated
+        check_runnable(
+            family.layer_specs
+        )  # a layer kind the engine cannot run is refused, never approximated
         lm = family.load_language_model(parse_dtype(dtype), register_attention())
         self.family = family
         self.config = model_config
@@ -86,6 +89,9 @@ class ModelRunner:
         # Pure decode steps run every layer in one op when all are fused, over the weights in their final form.
         fused_kernels = self.fused_layers == len(family.layer_specs) and self.kernels is not None
         self.decode_stack = DecodeStack(self.language_model, self.kernels) if fused_kernels else None
+        self.attention = AttentionPlan(family.layer_specs)
+        self.softcap = family.logit_softcap  # tanh(logits / cap) * cap after lm_head, as transformers does
+        self._caches: tuple[tuple[int, int], tuple[list, list]] | None = None
 
     @staticmethod
     def _segment(chunk: ScheduledChunk, row: int) -> StateSegment:
@@ -105,24 +111,50 @@ class ModelRunner:
             parts.append(tail.expand(rows, -1))
         return torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
 
+    def _layer_caches(self, pool: KVPool, window_pool: KVPool | None) -> tuple[list, list]:
+        """Per layer, its K and V cache, from whichever pool holds the layer (built once per pair of pools)."""
+        key = (id(pool), id(window_pool))
+        if self._caches is None or self._caches[0] != key:
+            pools = [pool] if window_pool is None else [pool, window_pool]
+            k = [
+                next((p.k_cache[i] for p in pools if p.k_cache[i] is not None), None)
+                for i in range(pool.num_layers)
+            ]
+            v = [
+                next((p.v_cache[i] for p in pools if p.v_cache[i] is not None), None)
+                for i in range(pool.num_layers)
+            ]
+            self._caches = (key, (k, v))
+        return self._caches[1]
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """lm_head over rows of the final hidden state, soft-capped where the family's model caps them."""
+        logits = self.lm_head(hidden)
+        if self.softcap is not None:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
+
     @torch.no_grad()
     def forward(
-        self, chunks: list[ScheduledChunk], pool: KVPool, states: StatePool | None = None
+        self,
+        chunks: list[ScheduledChunk],
+        pool: KVPool,
+        states: StatePool | None = None,
+        window_pool: KVPool | None = None,
     ) -> ForwardOutput:
-        """KV of every chunk token is written to the pool, and the linear layers' state of each request advanced in
-        `states` (checkpoints copied where the chunks ask); returns the logits (num_sampling_chunks, vocab) of
-        the sampled rows (model dtype: the sampler casts only what it must), and the logits of the prompt rows
-        of requests that want `prompt_logprobs`.
+        """KV of every chunk token is written to the pools (sliding-window layers' to `window_pool`), and the linear
+        layers' state of each request advanced in `states` (checkpoints copied where the chunks ask); returns the
+        logits (num_sampling_chunks, vocab) of the sampled rows (model dtype: the sampler casts only what it
+        must), and the logits of the prompt rows of requests that want `prompt_logprobs`.
 
         Rows: prompt chunks first, in order, then every output token being decoded, as one block built with
         a few batched ops (per-request Python on a decode step is one slice of its slot buffer)."""
         decodes = [i for i, c in enumerate(chunks) if c.num_tokens == 1 and c.start >= c.request.prompt_len]
         is_decode = set(decodes)
-        embeds, positions, new_slots, seqs = [], [], [], []
+        embeds, positions, token_ids, prefills = [], [], [], []
         first_row: dict[int, int] = {}  # chunk index -> its first row
-        prompt_rows: list[
-            tuple[int, int, int]
-        ] = []  # (chunk index, first row, rows) predicting prompt tokens
+        # (chunk index, first row, rows) predicting prompt tokens
+        prompt_rows: list[tuple[int, int, int]] = []
         extra_positions: list[torch.Tensor] = []
         extra_rows: dict[str, list[torch.Tensor]] = {}
         segments: list[StateSegment] = []
@@ -134,6 +166,9 @@ class ModelRunner:
             if states is not None:
                 segments.append(self._segment(chunk, row))
             ids = torch.tensor(req.token_ids[chunk.start : chunk.end], dtype=torch.int64, device=self.device)
+            if self.family.remaps_ids:
+                ids = self.family.embed_ids(ids)
+            token_ids.append(ids)
             extras = ChunkExtras() if self.family.extra_dims else None
             embeds.append(splice_chunk(ids, chunk.start, self.embed_tokens, req.embeddings, extras))
             if extras is not None and extras.positions:
@@ -141,29 +176,28 @@ class ModelRunner:
                 for name, parts in extras.rows.items():
                     extra_rows.setdefault(name, []).extend(parts)
             positions.append(self.positions(req, chunk.start, chunk.end))
-            new_slots.append(req.slot_buffer[chunk.start : chunk.end])
-            seqs.append(SeqAttention.make(row, n, req.slot_buffer[: chunk.end]))
+            prefills.append((row, req, chunk.start, chunk.end))
             if req.params.prompt_logprobs is not None and chunk.start < req.prompt_len - 1:
                 # row j predicts token start + j + 1: the rows up to the prompt's second-to-last token
                 prompt_rows.append((i, row, min(chunk.end, req.prompt_len - 1) - chunk.start))
             first_row[i] = row
             row += n
+        decoding = []
         if decodes:
             reqs = [chunks[i].request for i in decodes]
             steps = [chunks[i].start for i in decodes]
             ids = torch.tensor([r.token_ids[s] for r, s in zip(reqs, steps, strict=True)], dtype=torch.int64)
-            embeds.append(self.embed_tokens(ids.to(self.device)))
+            ids = self.family.embed_ids(ids.to(self.device)) if self.family.remaps_ids else ids.to(self.device)
+            token_ids.append(ids)
+            embeds.append(self.embed_tokens(ids))
             tail = torch.tensor([s + r.rope_delta for r, s in zip(reqs, steps, strict=True)])
             positions.append(tail.expand(self.family.position_rows, -1))
-            kv = [r.slot_buffer[: s + 1] for r, s in zip(reqs, steps, strict=True)]
-            new_slots += [k[-1:] for k in kv]
-            for j, (i, slots) in enumerate(zip(decodes, kv, strict=True)):
+            for j, (i, req, s) in enumerate(zip(decodes, reqs, steps, strict=True)):
                 first_row[i] = row + j
-                seqs.append(SeqAttention(row + j, 1, slots, None))
+                decoding.append((row + j, req, s))
             row += len(decodes)
-        meta = AttentionMetadata.build(
-            pool.k_cache, pool.v_cache, torch.cat(new_slots).to(self.device), seqs, self.device, self.kernels
-        )
+        caches = self._layer_caches(pool, window_pool)
+        meta = self.attention.metadata(caches, prefills, decoding, self.device, self.kernels)
         if states is not None:
             meta.state = StateMetadata(states, segments)
             if decodes:
@@ -176,11 +210,11 @@ class ModelRunner:
         pos = torch.cat(positions, dim=1).to(self.device)  # (rows, T)
         # HF text models take (batch, T) for plain RoPE and (3, batch, T) for M-RoPE.
         pos = pos.unsqueeze(1) if self.family.position_rows > 1 else pos
-        kwargs = {}
+        kwargs = self.family.token_inputs(self.language_model, torch.cat(token_ids).unsqueeze(0))
         if extra_positions:
             where = torch.cat(extra_positions).to(self.device)
             rows = {k: torch.cat(v).to(self.device, self.dtype) for k, v in extra_rows.items()}
-            kwargs = self.family.lm_inputs(row, where, rows)
+            kwargs.update(self.family.lm_inputs(row, where, rows))
         if self.decode_stack is not None and meta.decode is not None and not meta.seqs:  # pure decode
             last = self.decode_stack(inputs, pos, meta)[0]
         else:
@@ -188,13 +222,13 @@ class ModelRunner:
                 inputs_embeds=inputs, position_ids=pos, use_cache=False, mm_attn=meta, **kwargs
             )
             last = hidden.last_hidden_state[0]
-        prompt_logits = {i: self.lm_head(last[r : r + n]).float() for i, r, n in prompt_rows}
+        prompt_logits = {i: self.logits(last[r : r + n]).float() for i, r, n in prompt_rows}
         sample_rows = [first_row[i] + c.num_tokens - 1 for i, c in enumerate(chunks) if c.samples]
         if sample_rows == list(range(row - len(sample_rows), row)):  # a slice, not a gather copy
             picked = last[row - len(sample_rows) :]
         else:
             picked = last[sample_rows]
-        return ForwardOutput(self.lm_head(picked), prompt_logits)
+        return ForwardOutput(self.logits(picked), prompt_logits)
 
 
 def _check_state(chunk: ScheduledChunk) -> None:

@@ -38,6 +38,9 @@ class PackedLinear(torch.nn.Module):
         self.dtype = weight.dtype
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint)
         self.bias = None if linear.bias is None else linear.bias.detach()
+        # Owners' code reads `.weight.dtype` / `.device` of a layer it calls (Gemma 4's patch embedder casts its
+        # input so): an empty tensor answers that; anything reading its values fails loudly, never silently.
+        self.weight = torch.empty(0, dtype=weight.dtype, device=weight.device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")

@@ -2,8 +2,8 @@
 
 Lengths are derived: `token_ids` = prompt + outputs; `num_computed` tokens have KV in `slots`;
 `remaining` = tokens still to compute before the next sample. A request is prefilling while
-`remaining > 1` (a chunk may stop anywhere, inside an image included) and decoding when exactly the last
-sampled token is left to compute.
+`remaining > 1` (a chunk may stop anywhere, inside an image included, except inside a bidirectional block) and
+decoding when exactly the last sampled token is left to compute.
 """
 
 from __future__ import annotations
@@ -70,6 +70,17 @@ class Request:
     num_cached_tokens: int = 0  # prompt tokens reused from the prefix cache at first admission
     prefix_handle: object | None = None  # locked radix node while running
     decode_run: list[int] = field(default_factory=list)  # slots taken for its next decode tokens (Scheduler)
+    # Models with sliding-window layers (mmserve.engine.slots): its window-pool slot per position (-1: none held),
+    # its unused decode run of them, rows kept for the prefix cache until its prompt is cached, and how far rows
+    # behind its window were freed
+    window_buffer: torch.Tensor | None = None
+    window_run: list[int] = field(default_factory=list)
+    window_keep: torch.Tensor | None = None
+    window_released: int = 0
+    prefix_cache_pending: bool = True  # its prompt is not in the prefix cache yet (Scheduler.cache_prompt)
+    # Families with bidirectional item blocks: [start, end) of every block (runs of items' tokens that attend to
+    # each other both ways), in order; a prefill chunk never ends strictly inside one
+    blocks: list[tuple[int, int]] = field(default_factory=list)
     # Hybrid models: its linear-attention state (a StatePool slot) and the position it stands at (0: empty, the
     # sequence not started; None: unknown after a failed step, so never donated to the prefix cache)
     state_slot: int | None = None
@@ -91,6 +102,7 @@ class Request:
         self.token_ids = list(self.prompt_ids)
         self.prompt_logprobs: list = []  # prompt_logprobs: one entry per prompt token (None for the first)
         self._prompt_set: torch.Tensor | None = None
+        self._block_ids: torch.Tensor | None = None
         # Slot of every computed token; sized for the whole request so appends never reallocate.
         self.slot_buffer = torch.empty(len(self.prompt_ids) + self.params.max_tokens, dtype=torch.int64)
 
@@ -117,6 +129,40 @@ class Request:
     @property
     def finished(self) -> bool:
         return self.status == RequestStatus.FINISHED
+
+    @property
+    def block_ids(self) -> torch.Tensor | None:
+        """Per prompt token, the index of its bidirectional block (-1 outside any); None without blocks. Computed
+        once."""
+        if not self.blocks:
+            return None
+        if self._block_ids is None:
+            ids = torch.full((self.prompt_len,), -1, dtype=torch.int32)
+            for k, (start, end) in enumerate(self.blocks):
+                ids[start:end] = k
+            self._block_ids = ids
+        return self._block_ids
+
+    def chunk_end(self, start: int, end: int) -> int:
+        """Where a prefill chunk from `start` that would stop at `end` does stop: never strictly inside a
+        bidirectional block (its tokens must see each other in one forward), so before a block it reaches, or past
+        the end of the block it starts in (even past the budget)."""
+        for a, b in self.blocks:
+            if a < end < b:
+                return a if start < a else b
+            if a >= end:
+                break
+        return end
+
+    def safe_prefix(self, n: int) -> int:
+        """The longest prefix of the first n tokens that ends outside every bidirectional block: what may enter
+        the prefix cache (KV of part of a block was computed without the rest of it)."""
+        for a, b in self.blocks:
+            if a < n < b:
+                return a
+            if a >= n:
+                break
+        return n
 
     @property
     def prompt_token_set(self) -> torch.Tensor:

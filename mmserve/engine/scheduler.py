@@ -1,6 +1,9 @@
 """Continuous batching: which tokens of which requests the next forward computes.
 
-Policy, within `max_num_batched_tokens` per step; chunks may stop anywhere (inside an image too):
+Policy, within `max_num_batched_tokens` per step; chunks may stop anywhere (inside an image too), except strictly
+inside a bidirectional block of a family that has them (Gemma: an image's tokens see each other both ways, so
+they are computed in one forward: a chunk stops before the block, or takes the rest of it even past the budget;
+`Request.chunk_end`):
 1. every decoding request gets its next token (one row each: decodes never wait behind prefills);
 2. the rest of the budget goes to prefills, shortest remaining first: running prefills and the first
    `LOOKAHEAD` waiting requests compete on the tokens they still have to compute (a waiting request's prefix
@@ -15,7 +18,7 @@ Slot ownership (see kv_pool / radix_cache):
 | prefix cache    | one pool reference per token stored in the tree            | `evict` / `reset`      |
 | request (lock)  | one lock on the matched radix path while running           | `_release`             |
 | request (run)   | the free slots taken ahead for its next decode tokens      | `_release`, or memory  |
-|                 | (`decode_run`: the rest of a run of up to DECODE_RUN)      | pressure (`_alloc`)    |
+|                 | (`decode_run`: the rest of a run of up to DECODE_RUN)      | pressure (`slots.alloc`) |
 A request's matched prefix slots are `pool.ref`'d, so a request always frees all of its slots the same way.
 On finish, abort and retraction its computed tokens are inserted into the prefix cache first, so a
 retracted request usually recomputes little.
@@ -45,6 +48,11 @@ request, an overlap stage's text). Checkpoints take free slots or replace the le
 being admitted takes a checkpoint's slot when none is free. A checkpoint is skipped when requests hold every
 slot: correctness never depends on one.
 
+Models with sliding-window layers keep those layers' rows in a window pool (mmserve.engine.slots): every
+scheduled token takes a slot there too, the rows behind a request's window are freed after each step (but those
+kept for the prefix cache until its prompt is cached), and the prefix cache holds window rows where they still
+exist. Only KV of whole bidirectional blocks enters the prefix cache (`Request.safe_prefix`).
+
 The prefix cache is keyed by `Request.cache_key`, the token ids scoped by the request's cache salt (in the
 first position only; see mmserve.engine.cache_salt), never by the ids themselves.
 """
@@ -60,15 +68,14 @@ import torch
 from mmserve.engine.cache.kv_pool import KVPool
 from mmserve.engine.cache.radix_cache import PrefixCache
 from mmserve.engine.cache.state_pool import StatePool
+from mmserve.engine.cache.transfer import HandoffSlots
 from mmserve.engine.model_runner import ScheduledChunk
 from mmserve.engine.request import Request, RequestStatus
+from mmserve.engine.slots import DECODE_RUN, SlotAllocator
 
 LOOKAHEAD = 16  # waiting requests considered per step (beyond them: first come, first served)
 STARVATION_STEPS = 8  # steps a prefill may be passed over before it goes first
-# A decoding request takes its slots this many at a time, a run ending at a multiple of DECODE_RUN of its token
-# index: one slot a step would interleave every request's decode tokens, which the decode attention then
-# gathers, where it reads a run of 16 consecutive slots in place (as it reads a prompt's).
-DECODE_RUN = 16
+__all__ = ["DECODE_RUN", "Scheduler", "SchedulerConfig"]
 
 
 @dataclass(frozen=True)
@@ -88,17 +95,27 @@ class SchedulerStats:
 
 class Scheduler:
     def __init__(
-        self, cfg: SchedulerConfig, pool: KVPool, prefix_cache: PrefixCache, states: StatePool | None = None
+        self,
+        cfg: SchedulerConfig,
+        pool: KVPool,
+        prefix_cache: PrefixCache,
+        states: StatePool | None = None,
+        window_pool: KVPool | None = None,
+        window: int | None = None,
     ) -> None:
         self.cfg = cfg
         self.pool = pool
         self.prefix_cache = prefix_cache
         self.states = states  # None: every layer is attention, KV is all a request needs
+        self.window_pool = window_pool  # sliding-window layers' rows (None: the model has none)
+        self.window = window
+        self.slots = SlotAllocator(pool, prefix_cache, window_pool, window)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.detached: dict[str, Request] = {}  # prefill: KV being handed off
         self.reserved = 0  # decode: slots held by handoff reservations
         self.reserved_states = 0  # decode: state slots held by handoff reservations
+        self.reserved_window = 0  # decode: window slots held by handoff reservations
         self.dropped: list[Request] = []  # not recomputable, retracted: the owner reports their failure
         self.stats = SchedulerStats()
 
@@ -121,8 +138,25 @@ class Scheduler:
                 f"capacity of {self.pool.num_slots} tokens; lower max_tokens or raise --kv-cache-mb"
             )
 
+    def check_window_fits(self, req: Request) -> None:
+        """Raise ValueError if a request can never hold the window rows it needs at once: its window, the
+        rows it keeps for the prefix cache and its largest prefill chunk."""
+        if self.window_pool is None:
+            return
+        longest = max((b - a for a, b in req.blocks), default=0)
+        keep = len(self.checkpoint_positions(req, 0, req.prompt_len))
+        need = min(
+            req.max_len, (self.window - 1) * (1 + keep) + max(self.cfg.max_num_batched_tokens, longest)
+        )
+        if need > self.window_pool.num_slots:
+            raise ValueError(
+                f"the request needs up to {need} sliding-window KV rows at once, the window cache holds "
+                f"{self.window_pool.num_slots}; raise --kv-cache-mb"
+            )
+
     def add(self, request: Request) -> None:
         self.check_fits(request.prompt_len, request.params.max_tokens)
+        self.check_window_fits(request)
         self.waiting.append(request)
 
     @property
@@ -137,11 +171,11 @@ class Scheduler:
         for req in [r for r in self.running if not r.is_prefill][:budget]:
             if req.status != RequestStatus.RUNNING:  # retracted by an earlier _grow of this loop
                 continue
-            slot = self._next_decode_slot(req)
-            if slot is None:  # short of memory: one slot, retracting the newest requests as needed
+            if not self.slots.next_decode_slot(
+                req
+            ):  # short of memory: one slot, retracting the newest as needed
                 budget -= self._grow(req, 1, batch)
                 continue
-            req.slot_buffer[req.num_computed] = slot  # no tensor per request (~20 us each, 64 a step)
             req.num_computed += 1
             batch[req.request_id] = ScheduledChunk(req, req.num_computed - 1, req.num_computed)
             budget -= 1
@@ -149,10 +183,10 @@ class Scheduler:
         candidates.sort(key=self._prefill_priority)
         admitting = True
         for req in candidates:
-            if budget == 0:
+            if budget <= 0:  # an atomic block may take a chunk past the budget
                 break
             if req.status == RequestStatus.RUNNING:
-                budget -= self._grow(req, min(req.remaining, budget), batch)
+                budget -= self._grow(req, self._chunk(req, req.num_computed, budget), batch)
             elif (
                 admitting
                 and req.status == RequestStatus.WAITING
@@ -189,11 +223,21 @@ class Scheduler:
         lookup = req.cache_key(len(req.token_ids) - 1)  # the last token is always computed: logits needed
         if req.params.prompt_logprobs is not None:  # every prompt row's logits are needed: compute them all
             lookup = []
+        if self.window_pool is not None and req.window_buffer is None:
+            req.window_buffer = torch.full_like(req.slot_buffer, -1)
         match = self.prefix_cache.match(lookup)
         self.prefix_cache.lock(match.handle)
-        n = min(req.remaining - match.num_tokens, budget)
-        slots = self._alloc(n)  # may evict unlocked leaves: never the locked match, whose state stays
-        if slots is None:
+        # Held first: taking slots may evict window rows of the match (never its locked full rows or state)
+        self.pool.ref(match.slots)
+        req.slot_buffer[: match.num_tokens] = match.slots
+        if req.window_buffer is not None:
+            rows = match.window_slots
+            self.window_pool.ref(rows[rows >= 0])
+            req.window_buffer[: match.num_tokens] = rows
+        n = self._chunk(req, match.num_tokens, budget)
+        taken = self.slots.alloc(n, self.running)
+        if taken is None:
+            self.slots.unplace(req, 0, match.num_tokens)
             self.prefix_cache.unlock(match.handle)
             if state_slot is not None:
                 self.states.free(state_slot)
@@ -202,10 +246,10 @@ class Scheduler:
             if match.state is not None:
                 self.states.copy_(match.state, state_slot)
             req.state_slot, req.state_pos = state_slot, match.num_tokens
-        self.pool.ref(match.slots)
         req.prefix_handle = match.handle
-        req.slot_buffer[: match.num_tokens] = match.slots
         req.num_computed = match.num_tokens
+        if self.window_pool is not None and req.prefix_cache_pending:
+            self.slots.keep(req, self.checkpoint_positions(req, 0, req.prompt_len))
         if first_time:
             req.first_scheduled_time = time.perf_counter()
             # reuse of other requests' work only: its own text prefill (overlap) is not a cache hit
@@ -215,24 +259,29 @@ class Scheduler:
         self.waiting.remove(req)
         self.running.append(req)
         req.status = RequestStatus.RUNNING
-        self._append(req, slots, batch)
+        self._append(req, taken, batch)
         return True
+
+    @staticmethod
+    def _chunk(req: Request, start: int, budget: int) -> int:
+        """Tokens of the next prefill chunk from `start`: the budget's worth, never ending inside a block."""
+        return req.chunk_end(start, start + min(len(req.token_ids) - start, budget)) - start
 
     def _grow(self, req: Request, n: int, batch: dict[str, ScheduledChunk]) -> int:
         """Schedule n more tokens of a running request, retracting others if memory is short.
         Returns the tokens scheduled (0 if `req` itself had to be retracted)."""
-        while (slots := self._alloc(n)) is None:
+        while (taken := self.slots.alloc(n, self.running)) is None:
             victim = self.running[-1]
             self.retract(victim, batch)
             if victim is req:
                 return 0
-        self._append(req, slots, batch)
+        self._append(req, taken, batch)
         return n
 
-    def _append(self, req: Request, slots: torch.Tensor, batch: dict[str, ScheduledChunk]) -> None:
+    def _append(self, req: Request, taken: tuple, batch: dict[str, ScheduledChunk]) -> None:
         start = req.num_computed
-        req.slot_buffer[start : start + slots.numel()] = slots
-        req.num_computed += slots.numel()
+        self.slots.place(req, start, *taken)
+        req.num_computed += taken[0].numel()
         chunk = ScheduledChunk(req, start, req.num_computed)
         if self.states is not None and self.prefix_cache.keeps_states:
             for p in self.checkpoint_positions(req, start, req.num_computed):
@@ -270,7 +319,8 @@ class Scheduler:
 
     def finish_step(self, chunks: list[ScheduledChunk]) -> None:
         """The step's forward succeeded: each chunk's state now stands at its end, and its checkpoints go into the
-        prefix cache (which takes their slots)."""
+        prefix cache (which takes their slots); window rows behind each request's window are freed."""
+        self.slots.release_behind_window([c.request for c in chunks])
         for chunk in chunks:
             req = chunk.request
             if req.state_slot is None:
@@ -285,48 +335,15 @@ class Scheduler:
             self.states.free(slot)
         chunk.checkpoints = []
 
-    def _next_decode_slot(self, req: Request) -> int | None:
-        """The next slot of the request's decode run, taking a new run (free or evicted slots, never another
-        request's) when it is used up; None when not even that is there."""
-        if not req.decode_run:
-            run = self._free_or_evicted(
-                min(DECODE_RUN - req.num_computed % DECODE_RUN, req.max_len - req.num_computed)
-            )
-            if run is None:
-                return None
-            req.decode_run = run.tolist()[::-1]  # popped from the end: in ascending order
-        return req.decode_run.pop()
-
-    def _return_run(self, req: Request) -> int:
-        """Give the request's unused decode slots back to the pool; returns how many."""
-        n = len(req.decode_run)
-        if n:
-            self.pool.free(torch.tensor(req.decode_run, dtype=torch.int64))
-            req.decode_run = []
-        return n
-
-    def _drop_decode_runs(self) -> int:
-        return sum(self._return_run(r) for r in self.running)
-
-    def _free_or_evicted(self, n: int) -> torch.Tensor | None:
-        """n free slots, evicting prefix-cache entries if the pool is short; None if even that is not enough."""
-        slots = self.pool.alloc(n)
-        if slots is None and self.prefix_cache.evict(n - self.pool.num_free) > 0:
-            slots = self.pool.alloc(n)
-        return slots
-
-    def _alloc(self, n: int) -> torch.Tensor | None:
-        slots = self._free_or_evicted(n)
-        if slots is None and self._drop_decode_runs() > 0:  # before any request is retracted
-            slots = self.pool.alloc(n)
-        return slots
-
     def cache_prompt(self, req: Request) -> None:
         """Insert a running request's whole prompt (its KV is now written) into the prefix cache and move the
         request's lock to the new path, so requests arriving meanwhile reuse it instead of recomputing it."""
         prompt = req.cache_key(req.prompt_len)
         if not self.prefix_cache.keeps_states:  # a state tree holds the prompt through its checkpoints
-            self.prefix_cache.insert(prompt, req.slot_buffer[: req.prompt_len])
+            rows = req.window_buffer[: req.prompt_len] if req.window_buffer is not None else None
+            self.prefix_cache.insert(prompt, req.slot_buffer[: req.prompt_len], window_slots=rows)
+        req.prefix_cache_pending = False
+        self.slots.release_kept(req)  # the tree holds them now
         match = self.prefix_cache.match(prompt)
         self.prefix_cache.lock(match.handle)
         if req.prefix_handle is not None:
@@ -341,40 +358,60 @@ class Scheduler:
         req.status = RequestStatus.HANDOFF
         self.detached[req.request_id] = req
 
-    def reserve(self, n: int, state: bool = False) -> tuple[torch.Tensor, int | None] | None:
-        """Decode side: `n` slots for a handoff's rows (evicting the prefix cache if need be) and, with `state`,
-        a state slot for its linear layers' state; None when either is short."""
+    def reserve(self, n: int, state: bool = False) -> HandoffSlots | None:
+        """Decode side: `n` slots for a handoff's rows (evicting the prefix cache if need be), window slots for
+        the last W - 1 of them (models with sliding-window layers: all the first decode step reads) and, with
+        `state`, a state slot for its linear layers' state; None when a pool is short."""
         state_slot = None
         if state:
             state_slot = self._state_slot()
             if state_slot is None:
                 return None
-        slots = self._alloc(n)
-        if slots is None:
+        keep = min(n, self.window - 1) if self.window_pool is not None else None  # all the first step reads
+        taken = self.slots.alloc(n, self.running, keep)
+        if taken is None:
             if state_slot is not None:
                 self.states.free(state_slot)
             return None
+        slots, rows = taken
+        if rows is not None:
+            self.reserved_window += keep
         self.reserved += n
         self.reserved_states += state_slot is not None
-        return slots, state_slot
+        return HandoffSlots(slots, rows, state_slot)
 
-    def unreserve(self, slots: torch.Tensor, state_slot: int | None = None) -> None:
-        self.reserved -= slots.numel()
-        self.pool.free(slots)
-        if state_slot is not None:
+    def unreserve(self, held: HandoffSlots) -> None:
+        self.reserved -= held.slots.numel()
+        self.pool.free(held.slots)
+        if held.window_slots is not None:
+            self.reserved_window -= held.window_slots.numel()
+            self.window_pool.free(held.window_slots)
+        if held.state_slot is not None:
             self.reserved_states -= 1
-            self.states.free(state_slot)
+            self.states.free(held.state_slot)
 
-    def adopt(self, req: Request, slots: torch.Tensor, state_slot: int | None = None) -> None:
-        """Decode side: a handed-off request joins the running set with `slots` (reserved, now written) as the
-        KV of its prompt (and `state_slot`, its state after the prompt); its sampled first token is computed by
+    def adopt(self, req: Request, held: HandoffSlots) -> None:
+        """Decode side: a handed-off request joins the running set with the reserved slots (now written) as the
+        KV of its prompt (and the state slot, its state after the prompt); its sampled first token is computed by
         the next step, as after a local prefill."""
+        slots, state_slot = held.slots, held.state_slot
         n = slots.numel()
         assert n == req.prompt_len and len(req.output_ids) == 1, (n, req.prompt_len, req.output_ids)
         assert (state_slot is None) == (self.states is None), "a hybrid model's request needs its state"
+        assert (held.window_slots is None) == (self.window_pool is None), (
+            "a windowed model's request needs rows"
+        )
         self.reserved -= n
         req.slot_buffer[:n] = slots
         req.num_computed = n
+        if held.window_slots is not None:
+            if req.window_buffer is None:
+                req.window_buffer = torch.full_like(req.slot_buffer, -1)
+            k = held.window_slots.numel()
+            req.window_buffer[n - k : n] = held.window_slots
+            req.window_released = n - k
+            req.prefix_cache_pending = False
+            self.reserved_window -= k
         if state_slot is not None:
             self.reserved_states -= 1
             req.state_slot, req.state_pos = state_slot, n
@@ -396,7 +433,7 @@ class Scheduler:
         cannot be recomputed (adopted from a prefill engine) is ended instead and listed in `dropped`."""
         chunk = batch.pop(req.request_id, None) if batch is not None else None
         if chunk is not None:  # its KV for this step is not written yet: un-schedule it
-            self.pool.free(req.slot_buffer[chunk.start : chunk.end])
+            self.slots.unplace(req, chunk.start, chunk.end)
             req.num_computed = chunk.start
             self._drop_checkpoints(chunk)
         if not req.recomputable:
@@ -419,7 +456,7 @@ class Scheduler:
         if req.finished:
             return
         if req.status == RequestStatus.RUNNING and req.num_computed == chunk.end:
-            self.pool.free(req.slot_buffer[chunk.start : chunk.end])
+            self.slots.unplace(req, chunk.start, chunk.end)
             req.num_computed = chunk.start
         req.state_pos = None  # the forward may have advanced some layers' state: it resumes nowhere
         self.finish(req, "error")
@@ -441,9 +478,11 @@ class Scheduler:
         req.finish_time = time.perf_counter()
 
     def _release(self, req: Request) -> None:
-        self._return_run(req)
+        self.slots.return_run(req)
         computed = req.num_computed
-        if req.state_slot is not None:  # donated as the checkpoint at `computed` if it stands there, else freed
+        if (
+            req.state_slot is not None
+        ):  # donated as the checkpoint at `computed` if it stands there, else freed
             if computed and req.state_pos == computed:
                 self.prefix_cache.insert(req.cache_key(computed), req.slots, req.state_slot)
             else:
@@ -452,8 +491,11 @@ class Scheduler:
             if computed:
                 self.pool.free(req.slots)
         elif computed:
-            self.prefix_cache.insert(req.cache_key(computed), req.slots)
+            cached = req.safe_prefix(computed)  # never KV of part of a block
+            rows = req.window_buffer[:cached] if req.window_buffer is not None else None
+            self.prefix_cache.insert(req.cache_key(cached), req.slots[:cached], window_slots=rows)
             self.pool.free(req.slots)
+        self.slots.release_all(req)
         if req.prefix_handle is not None:
             self.prefix_cache.unlock(req.prefix_handle)
             req.prefix_handle = None
@@ -472,6 +514,16 @@ class Scheduler:
             assert all(r.state_slot is not None for r in self.running)
             held = self._state_holders() + self.prefix_cache.num_states
             assert self.states.num_used == held, (self.states.num_used, held)
+        if self.window_pool is not None:
+            self.window_pool.check_integrity()
+            assert all(
+                r.window_buffer is None or not bool((r.window_buffer >= 0).any()) for r in self.waiting
+            )
+            held = self.slots.held_window_rows([*self.running, *self.detached.values()])
+            expected = held + self.prefix_cache.window_rows + self.reserved_window
+            assert self.window_pool.num_used <= expected, (self.window_pool.num_used, expected)
+            if not self.running and not self.detached:
+                assert self.window_pool.num_used == expected, (self.window_pool.num_used, expected)
         if not self.running and not self.detached:
             assert self.pool.num_used == self.prefix_cache.total_tokens + self.reserved, (
                 self.pool.num_used,

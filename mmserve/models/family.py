@@ -37,6 +37,8 @@ FAMILIES: dict[str, str] = {
     "qwen3_5_moe": "qwen3_5",
     "llava_onevision": "llava_onevision",
     "qwen2_audio": "qwen2_audio",
+    "gemma3": "gemma3",
+    "gemma4": "gemma4",
 }
 
 
@@ -144,6 +146,78 @@ class ModelFamily(Protocol):
         `positions` (int64, increasing) are the packed rows holding item rows with extras, `rows[name]` those
         extras in the same order. Called only for families with extras and batches that hold some."""
         ...
+
+    # -- what the language model computes beyond causal attention (defaults: `CausalLM`) ---------------
+    logit_softcap: float | None  # logits = tanh(logits / cap) * cap after lm_head, where the model does so
+
+    def token_inputs(self, language_model: torch.nn.Module, token_ids: torch.Tensor) -> dict[str, Any]:
+        """Per-token keyword arguments of the language model for the packed rows' token ids `(1, T)` (items'
+        tokens carry their pad values), e.g. Gemma 4's per-layer embeddings; {} for most families."""
+        ...
+
+    def bidirectional_blocks(self, expanded: ExpandedPrompt) -> list[tuple[int, int]]:
+        """[start, end) of every run of tokens that attend to each other both ways (in the layers whose spec
+        says `bidirectional_items`), in order, as transformers forms them; [] for causal families."""
+        ...
+
+    remaps_ids: bool  # whether `embed_ids` changes anything
+
+    def embed_ids(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """The ids the language model looks up for `token_ids` (pad values pass through): Gemma 4 looks up its
+        media placeholder tokens as `pad_token_id` wherever they occur, generated ones included."""
+        ...
+
+
+class CausalLM:
+    """The defaults of the hooks above: a language model that attends causally, takes nothing per token beyond
+    its embeddings and caps no logits."""
+
+    logit_softcap: float | None = None
+    remaps_ids = False
+
+    def token_inputs(self, language_model, token_ids) -> dict[str, Any]:
+        return {}
+
+    def embed_ids(self, token_ids):
+        return token_ids
+
+    def bidirectional_blocks(self, expanded: ExpandedPrompt) -> list[tuple[int, int]]:
+        return []
+
+
+def plain_setting(value: Any) -> Any:
+    """A processor attribute as JSON-able data for a content hash (SizeDict / enum / tuple -> dict / int / list)."""
+    from transformers.image_utils import SizeDict
+
+    if isinstance(value, SizeDict):
+        return {k: v for k, v in dict(value).items() if v is not None}
+    if isinstance(value, tuple | list):
+        return [plain_setting(v) for v in value]
+    return int(value) if isinstance(value, int) else value  # IntEnum (resample) -> int
+
+
+def item_runs(expanded: ExpandedPrompt, modalities: frozenset[Modality]) -> list[tuple[int, int]]:
+    """[start, end) of the maximal runs of pad tokens of items of `modalities`: transformers' bidirectional blocks
+    (runs of consecutive multimodal tokens; two items with no token between them form one run)."""
+    runs: list[tuple[int, int]] = []
+    ids = expanded.token_ids
+    for item in sorted(expanded.items, key=lambda it: it.offset):
+        if item.modality not in modalities:
+            continue
+        i = item.offset
+        while i < item.end:
+            if ids[i] != item.pad_value:
+                i += 1
+                continue
+            j = i
+            while j < item.end and ids[j] == item.pad_value:
+                j += 1
+            if runs and runs[-1][1] == i:
+                runs[-1] = (runs[-1][0], j)
+            else:
+                runs.append((i, j))
+            i = j
+    return runs
 
 
 def family_module(model_type: str) -> ModuleType:

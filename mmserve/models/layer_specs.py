@@ -85,27 +85,55 @@ class UnknownLayerSpec:
 LayerSpec = AttentionSpec | LinearStateSpec | UnknownLayerSpec
 
 
-def layer_specs_from_hf(text_config, linear_module_class: str | None = None) -> tuple[LayerSpec, ...]:
+def layer_specs_from_hf(
+    text_config, linear_module_class: str | None = None, bidirectional: frozenset[str] = frozenset()
+) -> tuple[LayerSpec, ...]:
     """One spec per decoder layer from a transformers text config: `layer_types` (all `full_attention` when the
-    config has none), `sliding_window`, the `linear_*` fields of Gated DeltaNet layers. `linear_module_class` is
-    the family's transformers class for its linear-attention layers (None: the family has none)."""
+    config has none), `sliding_window`, per-layer head shapes (`per_layer_config`: Gemma 4's wider full layers),
+    KV sharing (`kv_sharing_modes`: a "reuse" layer reads the rows of the last layer of its type that writes
+    them), the `linear_*` fields of Gated DeltaNet layers. `linear_module_class` is the family's transformers
+    class for its linear-attention layers (None: the family has none); `bidirectional` names the layer types
+    whose attention lets an item's tokens see each other both ways (the family knows: Gemma 3 all, Gemma 4 its
+    sliding layers)."""
     n = text_config.num_hidden_layers
     types = list(getattr(text_config, "layer_types", None) or ["full_attention"] * n)
     if len(types) < n:
         raise ValueError(f"config lists {len(types)} layer_types for {n} layers")
-    kv_heads = getattr(text_config, "num_key_value_heads", None) or text_config.num_attention_heads
-    head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
+    shapes = [head_shape(text_config, i) for i in range(n)]
+    sources = _kv_sources(text_config, types[:n])
     specs: list[LayerSpec] = []
-    for layer_type in types[:n]:
+    for i, layer_type in enumerate(types[:n]):
+        heads, dim = shapes[i]
+        both_ways = layer_type in bidirectional
         if layer_type == "full_attention":
-            specs.append(AttentionSpec(kv_heads, head_dim))
+            specs.append(AttentionSpec(heads, dim, None, both_ways, sources[i]))
         elif layer_type == "sliding_attention":
-            specs.append(AttentionSpec(kv_heads, head_dim, window=text_config.sliding_window))
+            specs.append(AttentionSpec(heads, dim, text_config.sliding_window, both_ways, sources[i]))
         elif layer_type == "linear_attention" and linear_module_class is not None:
             specs.append(_gated_deltanet(text_config, linear_module_class))
         else:
             specs.append(UnknownLayerSpec(layer_type))
     return tuple(specs)
+
+
+def head_shape(text_config, layer: int) -> tuple[int, int]:
+    """(KV heads, head size) of one layer: its own entry of `per_layer_config` where the config has one (its
+    global `head_dim` then raises rather than answer for every layer)."""
+    per_layer = getattr(text_config, "per_layer_config", None)
+    config = per_layer[layer] if per_layer is not None else text_config
+    heads = getattr(config, "num_key_value_heads", None) or text_config.num_attention_heads
+    dim = getattr(config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
+    return heads, dim
+
+
+def _kv_sources(text_config, types: list[str]) -> list[int | None]:
+    """Per layer, the layer whose K/V rows it reads instead of writing its own (transformers' "reuse" layers read
+    what the last "store" layer of their type wrote), else None."""
+    modes = getattr(text_config, "kv_sharing_modes", None)
+    if not modes or all(m is None for m in modes):
+        return [None] * len(types)
+    store = {types[i]: i for i, mode in enumerate(modes) if mode == "store"}
+    return [store[types[i]] if mode == "reuse" else None for i, mode in enumerate(modes)]
 
 
 def _gated_deltanet(text_config, module_class: str) -> LinearStateSpec:
@@ -118,6 +146,19 @@ def _gated_deltanet(text_config, module_class: str) -> LinearStateSpec:
 def kv_layers(specs: tuple[LayerSpec, ...]) -> list[int]:
     """The layers that write K/V rows."""
     return [i for i, s in enumerate(specs) if s.has_kv]
+
+
+def window_of(specs: tuple[LayerSpec, ...]) -> int | None:
+    """The sliding window of a model's windowed attention layers (None: it has none). The engine keeps those
+    layers' rows in a pool of their own, freed behind the window; `check_runnable` refuses two window sizes."""
+    windows = {s.window for s in specs if isinstance(s, AttentionSpec) and s.window is not None}
+    return min(windows) if windows else None
+
+
+def has_item_blocks(specs: tuple[LayerSpec, ...]) -> bool:
+    """Whether some layer lets an item's tokens attend both ways: its items must then be computed whole (never
+    cut by a prefill chunk, never cached in part)."""
+    return any(isinstance(s, AttentionSpec) and s.bidirectional_items for s in specs)
 
 
 def linear_layers(specs: tuple[LayerSpec, ...]) -> list[int]:

@@ -44,10 +44,12 @@ from PIL import Image
 
 from mmserve.models import weights
 from mmserve.models.family import (
+    CausalLM,
     EmbeddingMismatch,
     LanguageModel,
     check_tensors,
     expand_placeholders,
+    plain_setting,
     sequential_positions,
 )
 from mmserve.models.layer_specs import layer_specs_from_hf
@@ -188,7 +190,7 @@ class Tower(torch.nn.Module):
         return packed[0]
 
 
-class Family:
+class Family(CausalLM):
     """LLaVA-OneVision (see module docstring)."""
 
     modalities = frozenset({Modality.IMAGE, Modality.VIDEO})
@@ -253,7 +255,7 @@ class Family:
         if modality == Modality.VIDEO:
             return {**asdict(self.frames), **self.model_settings}
         proc = self.image_processor
-        image = {k: _plain(getattr(proc, k, None)) for k in IMAGE_SETTINGS}
+        image = {k: plain_setting(getattr(proc, k, None)) for k in IMAGE_SETTINGS}
         return {**image, **self.model_settings, "vision_aspect_ratio": self.aspect_ratio, "anyres": anyres}
 
     def meta(self, metadata: bytes) -> VisionMeta:
@@ -442,17 +444,6 @@ class Family:
         self, num_tokens: int, positions: torch.Tensor, rows: dict[str, torch.Tensor]
     ) -> dict[str, Any]:
         return {}
-
-
-def _plain(value: Any) -> Any:
-    """A processor attribute as JSON-able data (SizeDict / enum / tuple -> dict / int / list)."""
-    from transformers.image_utils import SizeDict
-
-    if isinstance(value, SizeDict):
-        return {k: v for k, v in dict(value).items() if v is not None}
-    if isinstance(value, tuple | list):
-        return [_plain(v) for v in value]
-    return int(value) if isinstance(value, int) else value  # IntEnum (resample) -> int
 
 
 def hf_video_inputs(family: Family, videos: list) -> dict[str, Any]:

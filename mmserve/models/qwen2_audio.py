@@ -27,6 +27,7 @@ import torch
 
 from mmserve.models import weights
 from mmserve.models.family import (
+    CausalLM,
     EmbeddingMismatch,
     LanguageModel,
     check_tensors,
@@ -102,7 +103,7 @@ class AudioTower(torch.nn.Module):
         return self.multi_modal_projector(hidden)
 
 
-class Family:
+class Family(CausalLM):
     """Qwen2-Audio (see module docstring)."""
 
     modalities = frozenset({Modality.AUDIO})

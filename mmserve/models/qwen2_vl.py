@@ -26,7 +26,13 @@ import torch
 from PIL import Image
 
 from mmserve.models import weights
-from mmserve.models.family import EmbeddingMismatch, LanguageModel, check_tensors, expand_placeholders
+from mmserve.models.family import (
+    CausalLM,
+    EmbeddingMismatch,
+    LanguageModel,
+    check_tensors,
+    expand_placeholders,
+)
 from mmserve.models.layer_specs import layer_specs_from_hf
 from mmserve.multimodal.errors import MediaDecodeError, UnsupportedMediaError
 from mmserve.multimodal.items import MAIN, ExpandedPrompt, ItemEmbedding, Modality, TowerInput
@@ -110,7 +116,7 @@ def preprocess_config_from_dir(path: str, overrides: Mapping[str, Any], defaults
     return VisionPreprocessConfig(**values)
 
 
-class Family:
+class Family(CausalLM):
     """Qwen2-VL and Qwen2.5-VL (see module docstring); the base of Qwen3-VL."""
 
     modalities = frozenset({Modality.IMAGE, Modality.VIDEO})
@@ -118,7 +124,9 @@ class Family:
     extra_dims: dict[str, int] = {}
     audio_sample_rate_hz = None
     default_preprocess = VisionPreprocessConfig()
-    linear_attention_class: str | None = None  # the transformers class of its linear-attention layers (Qwen3.5)
+    linear_attention_class: str | None = (
+        None  # the transformers class of its linear-attention layers (Qwen3.5)
+    )
 
     def __init__(self, path: str, hf_config, mm_processor_kwargs: Mapping[str, Any]) -> None:
         self.path = path

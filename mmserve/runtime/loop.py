@@ -217,6 +217,9 @@ class EngineLoop:
         if states := self.engine.states:
             ready.state_slots = states.num_slots
             ready.state_cache_bytes = states.num_slots * states.slot_bytes
+        if rows := self.engine.window_pool:
+            ready.window_rows, ready.window = rows.num_slots, self.engine.window
+            ready.window_cache_bytes = rows.num_slots * rows.token_bytes
         self.send(ready)
         poller = zmq.Poller()
         poller.register(self.input, zmq.POLLIN)

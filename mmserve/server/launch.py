@@ -128,6 +128,12 @@ async def serve_async(server_cfg: ServerConfig, engine_cfg: EngineConfig) -> int
                 if ready.state_slots
                 else ""
             )
+            + (
+                f", sliding-window cache {ready.window_rows} rows ({ready.window_cache_bytes / 2**20:.1f} MB, "
+                f"window {ready.window})"
+                if ready.window_rows
+                else ""
+            )
             + f", max model len {ready.max_model_len}",
             flush=True,
         )

@@ -37,6 +37,7 @@ from mmserve.testing.kit_base import (
     tiny_only,
     token_ids,
 )
+from mmserve.testing.kit_gemma import gemma3_kit, gemma4_kit
 from mmserve.testing.kit_qwen3 import qwen3_5_kit, qwen3_vl_kit
 
 
@@ -183,6 +184,8 @@ KIT: dict[str, Callable[[str], KitModel]] = {
     "qwen3_5_moe": lambda size: qwen3_5_kit("qwen3_5_moe", size),
     "llava_onevision": _llava_onevision,
     "qwen2_audio": _qwen2_audio,
+    "gemma3": gemma3_kit,
+    "gemma4": gemma4_kit,
 }
 
 

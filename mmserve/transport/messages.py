@@ -127,6 +127,9 @@ class ReadyMsg(msgspec.Struct, tag="ready"):
     kv_backends: list[str] = []  # KV transfer backends this engine can use ("zmq", "mooncake")
     state_slots: int = 0  # a hybrid model's request states (running and prefix-cache checkpoints); 0: none
     state_cache_bytes: int = 0
+    window_rows: int = 0  # sliding-window layers' rows (a pool of their own, freed behind the window); 0: none
+    window_cache_bytes: int = 0
+    window: int = 0
 
 
 class AcceptedMsg(msgspec.Struct, tag="accepted"):

@@ -7,6 +7,10 @@ layers have no rows here (their state is in `StatePool`); a layer that reads ano
 that layer's views. `k_cache[layer]` / `v_cache[layer]` are indexed by the decoder layer's own index (HF passes
 `module.layer_idx`), None where the layer has no rows.
 
+A pool may hold only some of the layers (`layers`): a model with sliding-window layers keeps them in a pool of
+their own, whose rows are freed once behind every window that could read them (mmserve.engine.cache.windows),
+beside the pool of its full-attention layers, which keeps every token's rows.
+
 Slots are shared (by the prefix cache and any number of requests) through reference counts: `alloc` hands out
 slots with refcount 1, `ref` adds an owner, `free` drops one, and a slot returns to the free list when its last
 owner lets go.
@@ -42,17 +46,21 @@ def uniform_specs(num_layers: int, num_kv_heads: int, head_dim: int) -> tuple[At
     return tuple(AttentionSpec(num_kv_heads, head_dim) for _ in range(num_layers))
 
 
-def kv_groups(specs: tuple[LayerSpec, ...]) -> list[tuple[tuple[int, int], list[int]]]:
-    """((KV heads, head dim), layers) for every row shape, in order of first appearance."""
+def kv_groups(
+    specs: tuple[LayerSpec, ...], layers: frozenset[int] | None = None
+) -> list[tuple[tuple[int, int], list[int]]]:
+    """((KV heads, head dim), layers) for every row shape, in order of first appearance (of `layers` only, when
+    given)."""
     groups: dict[tuple[int, int], list[int]] = {}
     for i, spec in enumerate(specs):
-        if spec.has_kv:
+        if spec.has_kv and (layers is None or i in layers):
             groups.setdefault(spec.row_shape, []).append(i)
     return list(groups.items())
 
 
 class KVPool:
-    """`num_slots` token slots of K/V cache for the layers of `specs` that have rows, with per-slot refcounts."""
+    """`num_slots` token slots of K/V cache for the layers of `specs` that have rows (of `layers` only, when
+    given), with per-slot refcounts."""
 
     def __init__(
         self,
@@ -60,20 +68,22 @@ class KVPool:
         specs: tuple[LayerSpec, ...],
         dtype: torch.dtype,
         device: str | torch.device = "cpu",
+        layers: frozenset[int] | None = None,
     ) -> None:
         if num_slots < 1:
             raise ValueError(f"num_slots must be >= 1, got {num_slots}")
         self.num_slots = num_slots
         self.specs = tuple(specs)
+        self.layers = layers
         self.num_layers = len(self.specs)
         self.dtype = dtype
         self.device = torch.device(device)
         item = dtype.itemsize
         self.groups: list[KvGroup] = []
         offset = 0
-        for (heads, dim), layers in kv_groups(self.specs):
-            self.groups.append(KvGroup(tuple(layers), heads, dim, offset))
-            size = 2 * len(layers) * num_slots * heads * dim * item
+        for (heads, dim), members in kv_groups(self.specs, layers):
+            self.groups.append(KvGroup(tuple(members), heads, dim, offset))
+            size = 2 * len(members) * num_slots * heads * dim * item
             offset += -(-size // ALIGN_BYTES) * ALIGN_BYTES
         # One allocation for the whole cache: a KV transfer backend registers it once (Mooncake) and addresses any
         # row by offset (`planes`); the per-layer lists are views into it.
@@ -87,7 +97,11 @@ class KVPool:
             for j, layer in enumerate(group.layers):
                 self.k_cache[layer], self.v_cache[layer] = view[0, j], view[1, j]
         for i, spec in enumerate(self.specs):
-            if isinstance(spec, AttentionSpec) and spec.kv_source is not None:
+            if (
+                isinstance(spec, AttentionSpec)
+                and spec.kv_source is not None
+                and (layers is None or i in layers)
+            ):
                 self.k_cache[i], self.v_cache[i] = self.k_cache[spec.kv_source], self.v_cache[spec.kv_source]
         self._refcount = torch.zeros(num_slots, dtype=torch.int64)
         # A stack: reversed so that a fresh pool hands out slots 0, 1, 2, ... (easier to read in tests).
@@ -95,27 +109,41 @@ class KVPool:
 
     @classmethod
     def uniform(
-        cls, num_slots: int, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device="cpu"
+        cls,
+        num_slots: int,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device="cpu",
     ) -> KVPool:
         return cls(num_slots, uniform_specs(num_layers, num_kv_heads, head_dim), dtype, device)
 
     @staticmethod
-    def bytes_per_token(specs: tuple[LayerSpec, ...], dtype: torch.dtype) -> int:
-        """Bytes of K plus V cache one token occupies across all layers that have rows."""
-        return sum(2 * len(layers) * heads * dim for (heads, dim), layers in kv_groups(specs)) * dtype.itemsize
+    def bytes_per_token(
+        specs: tuple[LayerSpec, ...], dtype: torch.dtype, layers: frozenset[int] | None = None
+    ) -> int:
+        """Bytes of K plus V cache one token occupies across all layers that have rows (of `layers`, when given)."""
+        groups = kv_groups(specs, layers)
+        return sum(2 * len(members) * heads * dim for (heads, dim), members in groups) * dtype.itemsize
 
     @classmethod
     def from_budget(
-        cls, budget_bytes: int, specs: tuple[LayerSpec, ...], dtype: torch.dtype, device="cpu"
+        cls,
+        budget_bytes: int,
+        specs: tuple[LayerSpec, ...],
+        dtype: torch.dtype,
+        device="cpu",
+        layers: frozenset[int] | None = None,
     ) -> KVPool:
         """A pool with as many slots as fit in `budget_bytes`. Raises ValueError if not even one fits."""
-        per_token = cls.bytes_per_token(specs, dtype)
+        per_token = cls.bytes_per_token(specs, dtype, layers)
         num_slots = budget_bytes // per_token if per_token else 0
         if num_slots < 1:
             raise ValueError(
                 f"KV budget of {budget_bytes} bytes holds no token ({per_token} bytes per token needed)"
             )
-        return cls(num_slots, specs, dtype, device)
+        return cls(num_slots, specs, dtype, device, layers)
 
     @property
     def num_free(self) -> int:

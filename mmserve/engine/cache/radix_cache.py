@@ -18,6 +18,15 @@ resume a sequence). A node may own one state slot, the state after its last toke
 | no unlocked leaf is a tombstone: removing a state from a leaf removes the leaf, then any parent it leaves a tombstone leaf; a locked one goes when its last lock does | KV nobody can resume from is freed |
 | `evict_states` frees the least recently used states, locked nodes' too | states have their own budget; a running request copied its state at admission and needs no checkpoint |
 
+Window rows (a tree built with a window pool: models with sliding-window layers, whose rows live in a pool of
+their own and are freed once no window can read them). Each node holds, beside its full-attention slots, one
+window slot per token or -1 where that row was freed (a *window tombstone*); the tree owns one window-pool
+reference per slot it holds.
+| rule                         | why                                                                        |
+| `match` ends at the deepest point p whose W - 1 window rows before it are all held (or p < W - 1 with all rows held) | the next token's window reads them |
+| `insert` takes the caller's window rows where it holds none (tombstones revived) | a later request may resume there |
+| `evict_window` frees window rows least recently used first: an unlocked leaf goes whole, other nodes keep their full rows | window rows have their own pool |
+
 LRU timestamps come from a counter bumped once per `match`/`insert`, so eviction order is deterministic.
 Not thread-safe: callers must hold the scheduler's lock (or be the scheduler thread) for every method.
 """
@@ -42,7 +51,12 @@ class MatchResult:
 
     slots: torch.Tensor  # int64 slots of the prefix, one per matched token
     handle: object  # opaque; pass to lock/unlock
-    state: int | None = None  # state-checkpoint trees: the slot of the state after the prefix (None: empty state)
+    state: int | None = (
+        None  # state-checkpoint trees: the slot of the state after the prefix (None: empty state)
+    )
+    window_slots: torch.Tensor | None = (
+        None  # window trees: int64 per matched token, -1 where the row was freed
+    )
 
     @property
     def num_tokens(self) -> int:
@@ -58,15 +72,44 @@ class PrefixCache(Protocol):
     def cached_len(self, tokens: Sequence[int]) -> int: ...
     def lock(self, handle: object) -> None: ...
     def unlock(self, handle: object) -> None: ...
-    def insert(self, tokens: Sequence[int], slots: torch.Tensor, state: int | None = None) -> int: ...
+    def insert(
+        self,
+        tokens: Sequence[int],
+        slots: torch.Tensor,
+        state: int | None = None,
+        window_slots: torch.Tensor | None = None,
+    ) -> int: ...
+    def _take_window_rows(self, node: _Node, rows: torch.Tensor) -> None:
+        held = rows[rows >= 0]
+        self.window_pool.ref(held)
+        node.wslots, node.wcount = rows, held.numel()
+        self._window_rows += node.wcount
+
+    def _revive(self, node: _Node, rows: torch.Tensor) -> None:
+        """Give the path root..node (exactly `rows` long) the caller's window rows where it holds none."""
+        end = rows.numel()
+        for n in reversed(self._path(node)):
+            start = end - len(n.key)
+            mine, theirs = n.wslots, rows[start:end]
+            revive = (mine < 0) & (theirs >= 0)
+            if bool(revive.any()):
+                self.window_pool.ref(theirs[revive])
+                mine[revive] = theirs[revive]
+                n.wcount += int(revive.sum())
+                self._window_rows += int(revive.sum())
+            end = start
+
     def evict(self, num_tokens: int) -> int: ...
     def evict_states(self, num_states: int) -> int: ...
+    def evict_window(self, num_rows: int) -> int: ...
     @property
     def total_tokens(self) -> int: ...
     @property
     def evictable_tokens(self) -> int: ...
     @property
     def num_states(self) -> int: ...
+    @property
+    def window_rows(self) -> int: ...
     def reset(self) -> None: ...
     def check_integrity(self) -> None: ...
 
@@ -75,8 +118,12 @@ def _empty_slots() -> torch.Tensor:
     return torch.empty(0, dtype=torch.int64)
 
 
+def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat(parts) if parts else _empty_slots()
+
+
 class _Node:
-    __slots__ = ("key", "slots", "parent", "children", "lock_ref", "last_access", "state")
+    __slots__ = ("key", "slots", "parent", "children", "lock_ref", "last_access", "state", "wslots", "wcount")
 
     def __init__(self, key: list[int], slots: torch.Tensor, parent: _Node | None, last_access: int) -> None:
         self.key = key
@@ -86,6 +133,8 @@ class _Node:
         self.lock_ref = 0
         self.last_access = last_access
         self.state: int | None = None  # state-checkpoint trees: the state after this node's last token
+        self.wslots: torch.Tensor | None = None  # window trees: window slot per token, -1 where freed
+        self.wcount = 0  # window slots held (entries >= 0 of wslots)
 
 
 def _common_prefix_len(key: list[int], tokens: Sequence[int], start: int) -> int:
@@ -100,10 +149,20 @@ class RadixCache:
     """Radix tree of token prefixes over the slots of `pool` (and the checkpoints in `states`, when given); see
     the module docstring for ownership."""
 
-    def __init__(self, pool: KVPool, states: StatePool | None = None) -> None:
+    def __init__(
+        self,
+        pool: KVPool,
+        states: StatePool | None = None,
+        window_pool: KVPool | None = None,
+        window: int | None = None,
+    ) -> None:
+        assert (window_pool is None) == (window is None), "a window pool comes with its window"
+        assert states is None or window_pool is None, "state checkpoints and window rows are never both kept"
         self.pool = pool
         self.states = states
         self.keeps_states = states is not None
+        self.window_pool = window_pool
+        self.window = window
         self._clock = 0
         self._init_tree()
 
@@ -114,6 +173,7 @@ class RadixCache:
         self._stateful: dict[_Node, None] = {}  # nodes that own a state
         self._total_tokens = 0
         self._evictable_tokens = 0
+        self._window_rows = 0
 
     @property
     def total_tokens(self) -> int:
@@ -126,6 +186,11 @@ class RadixCache:
     @property
     def num_states(self) -> int:
         return len(self._stateful)
+
+    @property
+    def window_rows(self) -> int:
+        """Window-pool slots the tree holds."""
+        return self._window_rows
 
     def match(self, tokens: Sequence[int]) -> MatchResult:
         """Longest usable cached prefix of `tokens` (with states: the deepest node that has one). Takes no pool
@@ -142,8 +207,47 @@ class RadixCache:
             parts = [n.slots for n in path[: depth + 1]]
             slots = torch.cat(parts) if parts else _empty_slots()
             return MatchResult(slots, node, node.state)
+        if self.window_pool is not None:
+            tokens = tokens[: self._resumable(tokens)]
+            node, _, parts = self._descend(tokens)
+            wparts = [n.wslots for n in self._path(node)]
+            return MatchResult(_cat(parts), node, window_slots=_cat(wparts))
         node, _, parts = self._descend(tokens)
-        return MatchResult(slots=torch.cat(parts) if parts else _empty_slots(), handle=node)
+        return MatchResult(slots=_cat(parts), handle=node)
+
+    def _resumable(self, tokens: Sequence[int]) -> int:
+        """Window trees: the longest prefix of `tokens` that is cached with the window rows its next token reads:
+        the end of a run of held rows at least W - 1 long, or starting at 0. Changes nothing."""
+        need = self.window - 1
+        rows: list[torch.Tensor] = []
+        node, matched = self._root, 0
+        while matched < len(tokens):
+            child = node.children.get(tokens[matched])
+            if child is None:
+                break
+            common = _common_prefix_len(child.key, tokens, matched)
+            rows.append(child.wslots[:common])
+            matched += common
+            if common < len(child.key):
+                break
+            node = child
+        if not rows:
+            return 0
+        freed = (torch.cat(rows) < 0).nonzero().flatten().tolist()  # positions whose window row is gone
+        end = matched
+        for gap in reversed(freed):  # runs of held rows [gap + 1, end), right to left
+            if end - (gap + 1) >= need:
+                return end
+            end = gap
+        return end  # the run from the start: nothing before it to read
+
+    def _path(self, node: _Node) -> list[_Node]:
+        """The nodes from the root's child down to `node`."""
+        path = []
+        while node is not self._root:
+            path.append(node)
+            node = node.parent
+        return path[::-1]
 
     def cached_len(self, tokens: Sequence[int]) -> int:
         """How many leading `tokens` a `match` would give, changing nothing (no split, no LRU stamp): a
@@ -155,6 +259,8 @@ class RadixCache:
                 if node.state is not None:
                     best = matched
             return best
+        if self.window_pool is not None:
+            return self._resumable(tokens)
         node, matched = self._root, 0
         while matched < len(tokens):
             child = node.children.get(tokens[matched])
@@ -203,16 +309,25 @@ class RadixCache:
             and node.lock_ref == 0
         )
 
-    def insert(self, tokens: Sequence[int], slots: torch.Tensor, state: int | None = None) -> int:
+    def insert(
+        self,
+        tokens: Sequence[int],
+        slots: torch.Tensor,
+        state: int | None = None,
+        window_slots: torch.Tensor | None = None,
+    ) -> int:
         """Store `tokens -> slots` (and, in a state tree, `state`: the caller's state slot after the last token,
-        which the tree takes over, keeping it or freeing it if that prefix has one already); returns the length
-        of the prefix that was already present.
+        which the tree takes over, keeping it or freeing it if that prefix has one already; in a window tree,
+        `window_slots`: the caller's window rows, -1 where it holds none); returns the length of the prefix that
+        was already present.
 
-        For that prefix the tree keeps its own slots (the caller's are duplicates it still owns); for the
-        rest the tree takes one reference on the caller's slots via `pool.ref`. Mutates the tree, LRU times
-        and pool refcounts. Caller must hold the scheduler's lock and own live references to `slots`.
+        For that prefix the tree keeps its own slots (the caller's are duplicates it still owns) and takes the
+        caller's window rows only where it has none; for the rest the tree takes one reference on the caller's
+        slots via `pool.ref` (and `window_pool.ref`). Mutates the tree, LRU times and pool refcounts. Caller must
+        hold the scheduler's lock and own live references to `slots` and the held `window_slots`.
         """
         assert (state is not None) == self.keeps_states, "a state tree stores a state with every insert"
+        assert (window_slots is not None) == (self.window_pool is not None), "a window tree takes window rows"
         slots = slots.to(device="cpu", dtype=torch.int64).reshape(-1)
         assert slots.numel() == len(tokens), f"{slots.numel()} slots for {len(tokens)} tokens"
         if not tokens:  # the root holds the empty state implicitly
@@ -220,10 +335,15 @@ class RadixCache:
                 self.states.free(state)
             return 0
         node, matched, _ = self._descend(tokens)  # ends exactly at `matched` (an edge is split there)
+        if window_slots is not None:
+            window_slots = window_slots.to(device="cpu", dtype=torch.int64).reshape(-1)
+            self._revive(node, window_slots[:matched])
         if matched < len(tokens):
             new_slots = slots[matched:].clone()
             self.pool.ref(new_slots)
             leaf = _Node(list(tokens[matched:]), new_slots, node, self._clock)
+            if window_slots is not None:
+                self._take_window_rows(leaf, window_slots[matched:].clone())
             node.children[leaf.key[0]] = leaf
             self._leaves.pop(node, None)
             self._leaves[leaf] = None
@@ -237,6 +357,26 @@ class RadixCache:
             else:
                 self.states.free(state)
         return matched
+
+    def _take_window_rows(self, node: _Node, rows: torch.Tensor) -> None:
+        held = rows[rows >= 0]
+        self.window_pool.ref(held)
+        node.wslots, node.wcount = rows, held.numel()
+        self._window_rows += node.wcount
+
+    def _revive(self, node: _Node, rows: torch.Tensor) -> None:
+        """Give the path root..node (exactly `rows` long) the caller's window rows where it holds none."""
+        end = rows.numel()
+        for n in reversed(self._path(node)):
+            start = end - len(n.key)
+            mine, theirs = n.wslots, rows[start:end]
+            revive = (mine < 0) & (theirs >= 0)
+            if bool(revive.any()):
+                self.window_pool.ref(theirs[revive])
+                mine[revive] = theirs[revive]
+                n.wcount += int(revive.sum())
+                self._window_rows += int(revive.sum())
+            end = start
 
     def evict(self, num_tokens: int) -> int:
         """Remove unlocked leaves, least recently used first (a parent whose last child goes becomes a
@@ -278,6 +418,51 @@ class RadixCache:
                 self._remove_leaf(node)
         return freed
 
+    def evict_window(self, num_rows: int) -> int:
+        """Free at least `num_rows` window rows if the tree holds them, least recently used node first: an unlocked
+        leaf is removed whole (a leaf without window rows could never be resumed from), any other node keeps its
+        full-attention rows and loses its window rows (locked ones too: a running request holds its own
+        references to what it reads). Returns the window rows freed; mutates the tree and both pools' refcounts."""
+        tie = itertools.count()
+        heap = [(n.last_access, next(tie), n) for n in self._window_nodes()]
+        heapq.heapify(heap)
+        freed = 0
+        while freed < num_rows and heap:
+            _, _, node = heapq.heappop(heap)
+            if node.parent is None or node.wcount == 0:
+                continue
+            if not node.children and node.lock_ref == 0:
+                rows = node.wcount
+                _, parent = self._remove_leaf(node)
+                freed += rows
+                if (
+                    parent is not self._root
+                    and not parent.children
+                    and parent.lock_ref == 0
+                    and parent.wcount
+                ):
+                    heapq.heappush(heap, (parent.last_access, next(tie), parent))
+                continue
+            freed += self._drop_window_rows(node)
+        return freed
+
+    def _window_nodes(self) -> list[_Node]:
+        nodes, stack = [], list(self._root.children.values())
+        while stack:
+            node = stack.pop()
+            if node.wcount:
+                nodes.append(node)
+            stack.extend(node.children.values())
+        return nodes
+
+    def _drop_window_rows(self, node: _Node) -> int:
+        held = node.wslots >= 0
+        self.window_pool.free(node.wslots[held])
+        node.wslots[held] = -1
+        freed, node.wcount = node.wcount, 0
+        self._window_rows -= freed
+        return freed
+
     def _drop_state(self, node: _Node) -> None:
         self.states.free(node.state)
         node.state = None
@@ -293,6 +478,8 @@ class RadixCache:
             assert parent is not None and not node.children and node.lock_ref == 0
             if node.state is not None:
                 self._drop_state(node)
+            if node.wcount:
+                self._drop_window_rows(node)
             self.pool.free(node.slots)
             del parent.children[node.key[0]]
             del self._leaves[node]
@@ -317,6 +504,8 @@ class RadixCache:
             self.pool.free(node.slots)
             if node.state is not None:
                 self.states.free(node.state)
+            if node.wcount:
+                self.window_pool.free(node.wslots[node.wslots >= 0])
             node.parent = None
             stack.extend(node.children.values())
         self._init_tree()
@@ -331,6 +520,7 @@ class RadixCache:
         parts: list[torch.Tensor] = []
         leaves: set[_Node] = set()
         stateful: list[_Node] = []
+        windows: list[torch.Tensor] = []
         stack = [root]
         while stack:
             node = stack.pop()
@@ -349,6 +539,15 @@ class RadixCache:
             total += len(node.key)
             evictable += len(node.key) if node.lock_ref == 0 else 0
             parts.append(node.slots)
+            if self.window_pool is not None:
+                assert node.wslots is not None and node.wslots.numel() == len(node.key), (
+                    "window rows misaligned"
+                )
+                held = node.wslots[node.wslots >= 0]
+                assert held.numel() == node.wcount, (
+                    f"node counts {node.wcount} window rows, holds {held.numel()}"
+                )
+                windows.append(held)
             if node.state is not None:
                 stateful.append(node)
             if not node.children:
@@ -360,6 +559,15 @@ class RadixCache:
         stored = torch.cat([_empty_slots(), *parts])
         assert torch.unique(stored).numel() == stored.numel(), "a slot appears twice in the tree"
         assert bool((self.pool.refcount(stored) >= 1).all()), "tree holds a slot with refcount 0"
+        if self.window_pool is not None:
+            held = torch.cat([_empty_slots(), *windows])
+            assert held.numel() == self._window_rows, (
+                f"window_rows {self._window_rows}, tree holds {held.numel()}"
+            )
+            assert torch.unique(held).numel() == held.numel(), "a window slot appears twice in the tree"
+            assert bool((self.window_pool.refcount(held) >= 1).all()), (
+                "tree holds a window slot with refcount 0"
+            )
         assert set(stateful) == set(self._stateful), "stateful node set out of sync with the tree"
         states = [n.state for n in stateful]
         assert len(set(states)) == len(states), "a state slot appears twice in the tree"
@@ -415,6 +623,10 @@ class RadixCache:
         assert parent is not None and 0 < at < len(node.key)
         upper = _Node(node.key[:at], node.slots[:at].clone(), parent, node.last_access)
         upper.lock_ref = node.lock_ref  # every lock through `node` passes through `upper`
+        if node.wslots is not None:
+            upper.wslots, node.wslots = node.wslots[:at].clone(), node.wslots[at:].clone()
+            upper.wcount = int((upper.wslots >= 0).sum())
+            node.wcount -= upper.wcount
         upper.children[node.key[at]] = node
         parent.children[upper.key[0]] = upper
         node.key = node.key[at:]
@@ -437,7 +649,7 @@ class NoPrefixCache:
 
     def match(self, tokens: Sequence[int]) -> MatchResult:
         """Always the empty prefix. Mutates nothing."""
-        return MatchResult(slots=_empty_slots(), handle=None)
+        return MatchResult(slots=_empty_slots(), handle=None, window_slots=_empty_slots())
 
     def cached_len(self, tokens: Sequence[int]) -> int:
         return 0
@@ -448,17 +660,46 @@ class NoPrefixCache:
     def unlock(self, handle: object) -> None:
         """No-op."""
 
-    def insert(self, tokens: Sequence[int], slots: torch.Tensor, state: int | None = None) -> int:
+    def insert(
+        self,
+        tokens: Sequence[int],
+        slots: torch.Tensor,
+        state: int | None = None,
+        window_slots: torch.Tensor | None = None,
+    ) -> int:
         """Stores nothing and takes no slot references; frees `state`; returns 0."""
         if state is not None:
             self.states.free(state)
         return 0
+
+    def _take_window_rows(self, node: _Node, rows: torch.Tensor) -> None:
+        held = rows[rows >= 0]
+        self.window_pool.ref(held)
+        node.wslots, node.wcount = rows, held.numel()
+        self._window_rows += node.wcount
+
+    def _revive(self, node: _Node, rows: torch.Tensor) -> None:
+        """Give the path root..node (exactly `rows` long) the caller's window rows where it holds none."""
+        end = rows.numel()
+        for n in reversed(self._path(node)):
+            start = end - len(n.key)
+            mine, theirs = n.wslots, rows[start:end]
+            revive = (mine < 0) & (theirs >= 0)
+            if bool(revive.any()):
+                self.window_pool.ref(theirs[revive])
+                mine[revive] = theirs[revive]
+                n.wcount += int(revive.sum())
+                self._window_rows += int(revive.sum())
+            end = start
 
     def evict(self, num_tokens: int) -> int:
         """Nothing to evict; returns 0."""
         return 0
 
     def evict_states(self, num_states: int) -> int:
+        return 0
+
+    def evict_window(self, num_rows: int) -> int:
         return 0
 
     @property
@@ -471,6 +712,10 @@ class NoPrefixCache:
 
     @property
     def num_states(self) -> int:
+        return 0
+
+    @property
+    def window_rows(self) -> int:
         return 0
 
     def reset(self) -> None:

@@ -1,7 +1,7 @@
 // decode_attention_, mmserve's CPU kernel for a decode step's attention (its schema is declared with the other
 // kernels' in cpu_ops.cpp): every one-row query against its own slots, reading K and V in place in the pool.
 // One task per (request, KV head); the G query heads of a KV head share each K and V row read. With AVX-512
-// and head sizes 64 and 128 the scores take 16 slots as the vector lanes and the weighted V sum keeps every
+// and head sizes 64, 128, 256 and 512 the scores take 16 slots as the vector lanes and the weighted V sum keeps every
 // head's dims in registers, with the rows prefetched ahead; portable loops do the same multiply-adds in the
 // same order elsewhere. The softmax follows SDPA's CPU kernel. In bf16 on a CPU with AMX (and a kernel that
 // grants its tiles), head sizes 64 and 128 run on AMX instead (decode_attention_amx.h).
@@ -139,7 +139,8 @@ void weigh_values(const float* scores, int64_t len, const T* v_cache, const int6
 #endif
 
 // One request's G query heads (those sharing KV head `kv_head`) against its slots. kDim > 0 fixes the head
-// size at compile time (64 and 128 cover the served models), so the per-row loops unroll into whole vectors.
+// size at compile time (64, 128, 256 and 512 cover the served models), so the per-row loops unroll into whole
+// vectors.
 template <typename T, int kDim>
 void attend_one(const T* q, int64_t q_head_stride, const T* k_cache, const T* v_cache, const int64_t* slots,
                 int64_t len, int64_t kv_heads, int64_t kv_head, int64_t group, int64_t runtime_dim, float scale,
@@ -159,7 +160,7 @@ void attend_one(const T* q, int64_t q_head_stride, const T* k_cache, const T* v_
   const int64_t row_stride = kv_heads * dim;
   std::fill(tops, tops + group, -INFINITY);
   if (score_vectors<T, kDim>(qf, k_cache, slots, len, row_stride, kv_head * dim, group, row, scores, tops)) {
-    // scored 16 slots at a time (AVX-512, head sizes 64 and 128)
+    // scored 16 slots at a time (AVX-512, the head sizes above)
   } else if (group == 1) {  // one query head per KV head: a dot product per slot
     for (int64_t j = 0; j < len; ++j) {
       const T* k = k_cache + slots[j] * row_stride + kv_head * dim;
@@ -306,8 +307,11 @@ void decode_attention_(Tensor out, const Tensor& query, const Tensor& rows, cons
       }
     }
 #endif
+    // Head sizes fixed at compile time: Qwen's 64 / 128, Gemma's 256 (and Gemma 4's full layers' 512).
     const auto one = dim == 64    ? attend_one<scalar_t, 64>
                      : dim == 128 ? attend_one<scalar_t, 128>
+                     : dim == 256 ? attend_one<scalar_t, 256>
+                     : dim == 512 ? attend_one<scalar_t, 512>
                                   : attend_one<scalar_t, 0>;
     at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
       std::vector<float> buf;  // this thread's scratch, grown to the longest request it attends
