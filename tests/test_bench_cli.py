@@ -159,3 +159,18 @@ def test_encoders_note_only_for_a_server_that_uses_encoders(shared_server, capsy
         assert capsys.readouterr().err == ""  # nothing there to miss: no note
         assert listed_encoders(http, shared_server.url, uses_encoders=True) == []
     assert "encoders not scraped: /encoders said 403" in capsys.readouterr().err
+
+
+def test_bench_kv_memory_frees_window_rows_behind_the_window(tiny_model, tmp_path):
+    """`mmserve bench kv-memory` on the tiny Gemma 3 (window 6): a 300-token prompt in chunks of 32 holds at most
+    its window, the kept rows and a chunk of sliding rows, while every layer keeping every row would hold 300+."""
+    out = tmp_path / "kv.json"
+    done = run_cli(
+        "bench", "kv-memory", "--model", tiny_model("gemma3"), "--prompt-tokens", "300", "--output-tokens", "8",
+        "--max-num-batched-tokens", "32", "--dtype", "float32", "--json", str(out),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    result = json.loads(out.read_text())
+    assert result["window"] == 6 and result["window_peak_rows"] <= 5 + 5 + 32 + 1
+    assert result["decode_rows"] <= 5 + 5 + 16 and result["ratio"] > 1.5
+    assert "every layer keeps every token's rows" in done.stdout

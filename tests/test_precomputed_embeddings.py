@@ -276,6 +276,12 @@ FAMILY_MEDIA = {
     "qwen3_vl": [(Modality.IMAGE, png_bytes(random_image(7))), (Modality.VIDEO, mp4_bytes(8))],
     "llava_onevision": [(Modality.IMAGE, png_bytes(random_image(9, 80, 40)))],
     "qwen2_audio": [(Modality.AUDIO, wav_bytes(10, 0.8))],
+    "gemma3": [(Modality.IMAGE, png_bytes(random_image(9, 80, 40)))],
+    "gemma4": [
+        (Modality.IMAGE, png_bytes(random_image(7))),
+        (Modality.VIDEO, mp4_bytes(8)),
+        (Modality.AUDIO, wav_bytes(10, 0.8)),
+    ],
 }
 URL_PARTS = {
     Modality.IMAGE: ("image_url", "image/png"),
@@ -407,6 +413,20 @@ BAD_FAMILY_FIELDS = {
         Modality.AUDIO,
         _set("audio_feature_lengths", lambda t: t["audio_feature_lengths"] * 2),
         "rows; its metadata needs",
+    ),
+    # Gemma 3: rows are whole tiles; Gemma 4: a video's timestamps, one per frame, its rows split among them.
+    "gemma3_rows": ("gemma3", Modality.IMAGE, _set("image_embeds", lambda t: t["image_embeds"][:-3]), "rows"),
+    "gemma4_frames": (
+        "gemma4",
+        Modality.VIDEO,
+        _set("num_frames_per_video", torch.tensor([5])),
+        "cannot have",
+    ),
+    "gemma4_timestamps": (
+        "gemma4",
+        Modality.VIDEO,
+        _set("video_timestamps", torch.tensor([0.5])),
+        "must hold 4 float(s)",
     ),
 }
 MEDIA_OF = {

@@ -1,4 +1,4 @@
-"""`mmserve bench ...` command line: run (alias serve), compare, engine, epd, transfer, kv."""
+"""`mmserve bench ...` command line: run (alias serve), compare, engine, epd, transfer, kv, kv-memory."""
 
 from __future__ import annotations
 
@@ -6,8 +6,9 @@ import argparse
 import json
 import secrets
 import shlex
+import sys
 
-RUN_ALIASES = {"run", "serve", "compare", "engine", "epd", "transfer", "kv"}
+RUN_ALIASES = {"run", "serve", "compare", "engine", "epd", "transfer", "kv", "kv-memory"}
 
 
 def _workload(args: argparse.Namespace):
@@ -205,6 +206,21 @@ def _kv(args: argparse.Namespace) -> int:
     return 0
 
 
+def _kv_memory(args: argparse.Namespace) -> int:
+    from mmserve.bench import kv_memory
+    from mmserve.models.resolve import resolve_dtype, resolve_model_path
+
+    if (args.model is None) == (args.shape is None):
+        print("mmserve bench kv-memory: give --model or --shape", file=sys.stderr)
+        return 2
+    model = resolve_model_path(args.model) if args.model else None
+    dtype = resolve_dtype(model, args.dtype) if model else ("bfloat16" if args.dtype == "auto" else args.dtype)
+    result = kv_memory.run(model, args.shape, dtype, args.prompt_tokens, args.output_tokens, args.max_num_batched_tokens)
+    print(kv_memory.report(result, dtype))
+    _write_json(args.json, kv_memory.as_json(result))
+    return 0
+
+
 def _add_workload_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("workload (synthetic, offline; reproducible under --seed)")
     g.add_argument("--num-requests", type=int, default=64)
@@ -373,6 +389,16 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--kv-cache-mb", type=float, default=1024)
     p.add_argument("--json", default=None, help="write the results as JSON here")
     p.set_defaults(func=_kv)
+
+    p = bench.add_parser("kv-memory", help="KV bytes one long request holds, windows freed vs every row kept")
+    p.add_argument("--model", default=None, help="a checkpoint with sliding-window layers (local dir or hub id)")
+    p.add_argument("--shape", default=None, choices=["gemma3-4b"], help="or build this attention geometry offline")
+    p.add_argument("--prompt-tokens", type=int, default=8192)
+    p.add_argument("--output-tokens", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--dtype", default="auto", help="as `serve --dtype` (with --shape: bfloat16)")
+    p.add_argument("--json", default=None, help="write the result as JSON here")
+    p.set_defaults(func=_kv_memory)
 
 
 def default_subcommand(argv: list[str]) -> list[str]:

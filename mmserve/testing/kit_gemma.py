@@ -119,10 +119,10 @@ def gemma3_kit(size: str) -> KitModel:
         vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
                       image_size=64, patch_size=8)  # fmt: skip
         tokens, tile = 16, 64
-    else:  # a SigLIP-B-sized tower on 448x448 tiles in 14x14 patches, pooled 4x4: 64 soft tokens
+    else:  # a SigLIP-B-sized tower on 448x448 tiles in 14x14 patches, pooled 2x2: 256 soft tokens, as Gemma 3's
         vision = dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
                       image_size=448, patch_size=14)  # fmt: skip
-        tokens, tile = 64, 448
+        tokens, tile = 256, 448
     config = Gemma3Config(
         text_config=text,
         vision_config={**vision, "model_type": "siglip_vision_model", "vision_use_head": False},
