@@ -90,3 +90,48 @@ def test_disable_layer_fusion_flag(tiny_qwen2_vl):
     assert engine_config_from_args(args).fuse_layers
     args = build_parser().parse_args(["serve", tiny_qwen2_vl, "--disable-layer-fusion"])
     assert not engine_config_from_args(args).fuse_layers
+
+
+# -- Gemma 3 (mmserve.engine.fused_gemma) ----------------------------------------------------------------------
+def test_gemma_norm_is_transformers_gemma3_rms_norm_bitwise(kernels):
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+
+    from mmserve.engine.fused_gemma import gemma_norm
+
+    torch.manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        norm = Gemma3RMSNorm(96, eps=1e-6).to(dtype)
+        torch.nn.init.normal_(norm.weight)
+        x, residual = torch.randn(7, 96, dtype=dtype) * 3, torch.randn(7, 96, dtype=dtype)
+        want = norm(x)
+        assert torch.equal(gemma_norm(x, norm.weight, norm.eps), want)
+        assert torch.equal(gemma_norm(x, norm.weight, norm.eps, residual), residual + want)
+        # the kernel's sum of squares adds in another order than torch's mean: the last bit of the scale
+        tol = dict(rtol=1e-6, atol=1e-6) if dtype == torch.float32 else dict(rtol=8e-3, atol=1e-2)
+        torch.testing.assert_close(kernels.gemma_rms_norm(x, norm.weight, norm.eps), want, **tol)
+        torch.testing.assert_close(kernels.gemma_rms_norm(x, norm.weight, norm.eps, residual), residual + want, **tol)
+        heads = torch.randn(5, 12, 96, dtype=dtype)[:, 2:9]  # per-head rows with gaps between tokens
+        torch.testing.assert_close(kernels.gemma_rms_norm(heads, norm.weight, norm.eps), norm(heads), **tol)
+
+
+@pytest.mark.parametrize("cpu_kernels", [False, True], ids=["eager", "kernels"])
+def test_fused_gemma3_layers_are_transformers_layers_in_fp32(tiny_model, cpu_kernels):
+    """Bitwise with the eager ops; with the kernels (their sums in another order) the same tokens, the logits
+    within rounding."""
+    from mmserve.engine.fused_gemma import FusedGemmaLayer
+
+    spec, path = FAMILIES["gemma3"], tiny_model("gemma3")
+    # Chunks and decodes in one step, sliding windows and image blocks: the step's views over both pools.
+    options = dict(dtype="float32", max_num_batched_tokens=48, cpu_kernels=cpu_kernels)
+    fused = make_llm(path, spec.mm_kwargs, **options)
+    plain = make_llm(path, spec.mm_kwargs, fuse_layers=False, **options)
+    layers = fused.engine.runner.language_model.layers
+    assert all(isinstance(layer, FusedGemmaLayer) for layer in layers) and fused.engine.runner.decode_stack is None
+    tokens, logits = logits_of(fused, batch(spec))
+    plain_tokens, plain_logits = logits_of(plain, batch(spec))
+    assert tokens == plain_tokens
+    for a, b in zip(logits, plain_logits, strict=True):
+        if cpu_kernels:
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=5e-4)
+        else:
+            assert torch.equal(a, b)

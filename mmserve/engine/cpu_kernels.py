@@ -36,6 +36,7 @@ SOURCES = [
     CSRC / "decode_layers.cpp",
     CSRC / "vision_ops.cpp",
     CSRC / "linear_state.cpp",
+    CSRC / "gemma_ops.cpp",
 ]
 HEADERS = sorted(CSRC.glob("*.h"))  # torch keys its build on sources and flags only
 # -O3 and the host's vector ISA (the library is built on the machine that runs it); no fused multiply-add
@@ -67,6 +68,7 @@ class CpuKernels:
         self.vision_rope = ops.vision_rope
         self.bf16_lookup = ops.bf16_lookup
         self.gated_delta_step_ = ops.gated_delta_step_
+        self.gemma_rms_norm = ops.gemma_rms_norm
 
 
 def library_name() -> str:

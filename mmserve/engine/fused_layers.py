@@ -179,9 +179,12 @@ def fusable(layer: torch.nn.Module, spec) -> bool:
 
 def fuse_decoder_layers(text_model: torch.nn.Module, specs) -> int:
     """Replaces, layer by layer, every HF decoder layer of `text_model.layers` that is `fusable` with a
-    FusedDecoderLayer, in place (the separate q/k/v and gate/up weights are freed); returns how many. The other
-    layers stay HF's, over the pool attention (and the state pool), so one layer of another kind leaves the fast
-    path to the rest."""
+    FusedDecoderLayer, and every Gemma 3 layer (any attention kind: its views decide) with a FusedGemmaLayer
+    (mmserve.engine.fused_gemma), in place (the separate q/k/v and gate/up weights are freed); returns how many.
+    The other layers stay HF's, over the pool attention (and the state pool), so one layer of another kind leaves
+    the fast path to the rest."""
+    from mmserve.engine.fused_gemma import FUSABLE_GEMMA, FusedGemmaLayer
+
     layers = getattr(text_model, "layers", None)
     if layers is None:
         return 0
@@ -189,5 +192,8 @@ def fuse_decoder_layers(text_model: torch.nn.Module, specs) -> int:
     for i, (layer, spec) in enumerate(zip(layers, specs, strict=True)):
         if fusable(layer, spec):
             layers[i] = FusedDecoderLayer(layer)
+            done += 1
+        elif isinstance(spec, AttentionSpec) and type(layer).__name__ in FUSABLE_GEMMA:
+            layers[i] = FusedGemmaLayer(layer)
             done += 1
     return done

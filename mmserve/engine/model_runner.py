@@ -19,7 +19,7 @@ from mmserve.config import ModelConfig
 from mmserve.engine.cache.kv_pool import KVPool
 from mmserve.engine.cache.state_pool import StatePool
 from mmserve.engine.cpu_kernels import kernels_for
-from mmserve.engine.fused_layers import DecodeStack, fuse_decoder_layers
+from mmserve.engine.fused_layers import DecodeStack, FusedDecoderLayer, fuse_decoder_layers
 from mmserve.engine.layers import check_runnable
 from mmserve.engine.layers.attention import register_attention
 from mmserve.engine.layers.attention_metadata import AttentionPlan
@@ -87,7 +87,9 @@ class ModelRunner:
             pack_linears(self.language_model)
             self.lm_head = PackedLinear(self.lm_head)
         # Pure decode steps run every layer in one op when all are fused, over the weights in their final form.
-        fused_kernels = self.fused_layers == len(family.layer_specs) and self.kernels is not None
+        layers = getattr(self.language_model, "layers", [])
+        all_qwen2 = bool(layers) and all(isinstance(m, FusedDecoderLayer) for m in layers)
+        fused_kernels = all_qwen2 and self.kernels is not None
         self.decode_stack = DecodeStack(self.language_model, self.kernels) if fused_kernels else None
         self.attention = AttentionPlan(family.layer_specs)
         self.softcap = family.logit_softcap  # tanh(logits / cap) * cap after lm_head, as transformers does

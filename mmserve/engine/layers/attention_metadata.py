@@ -8,7 +8,7 @@ same bidirectional block) and, in a window W, j > i - W.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -132,6 +132,8 @@ class AttentionMetadata:
     num_rows: int = 0  # total packed query rows
     # this step's RoPE rows, built by the first fused layer for the others (fused_layers.rotary_rows)
     rotary: tuple[torch.Tensor, torch.Tensor] | None = None
+    # the same per layer type, for models whose layer types rotate by their own bases (fused_gemma)
+    rotary_by_kind: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     kernels: CpuKernels | None = None  # mmserve's CPU kernels when the engine runs them (cpu_kernels.py)
     state: StateMetadata | None = (
         None  # hybrid models: the linear layers' state slots (layers/linear_state.py)
