@@ -26,10 +26,17 @@ from mmserve.sampling_params import SamplingParams
 
 # Gemma 3 4B's attention: what its KV holds per token (the rest narrowed; see the module docstring).
 GEMMA3_4B = dict(
-    num_hidden_layers=34, num_attention_heads=8, num_key_value_heads=4, head_dim=256, query_pre_attn_scalar=256,
-    sliding_window=1024, hidden_size=256, intermediate_size=256, max_position_embeddings=16_384,
+    num_hidden_layers=34,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    head_dim=256,
+    query_pre_attn_scalar=256,
+    sliding_window=1024,
+    hidden_size=256,
+    intermediate_size=256,
+    max_position_embeddings=16_384,
     layer_types=["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(34)],
-)  # fmt: skip
+)
 SHAPES = {"gemma3-4b": ("gemma3", GEMMA3_4B)}
 
 
@@ -66,16 +73,23 @@ def build_shape(shape: str, out_dir: str) -> str:
 def measure(model: str, dtype: str, prompt_tokens: int, output_tokens: int, budget: int) -> KvMemory:
     total = prompt_tokens + output_tokens
     cfg = EngineConfig(
-        model=model, dtype=dtype, language_only=True, max_num_seqs=1, max_num_batched_tokens=budget,
-        max_model_len=total + 1, kv_cache_mb=None,
-    )  # fmt: skip
+        model=model,
+        dtype=dtype,
+        language_only=True,
+        max_num_seqs=1,
+        max_num_batched_tokens=budget,
+        max_model_len=total + 1,
+        kv_cache_mb=None,
+    )
     engine = Engine(cfg)
     if engine.window_pool is None:
         raise ValueError("the model has no sliding-window layers")
     vocab = min(engine.model_config.vocab_size, 300)
     rng = random.Random(0)
     prompt = [rng.randrange(10, vocab) for _ in range(prompt_tokens)]
-    engine.add_request("r", prompt, SamplingParams(temperature=0, max_tokens=output_tokens, ignore_eos=True), [])
+    engine.add_request(
+        "r", prompt, SamplingParams(temperature=0, max_tokens=output_tokens, ignore_eos=True), []
+    )
     rows = engine.window_pool
     seen = {"peak": 0, "decode": 0}
     forward = engine.runner.forward
@@ -96,12 +110,22 @@ def measure(model: str, dtype: str, prompt_tokens: int, output_tokens: int, budg
     every *= engine.pool.dtype.itemsize
     full = total * engine.pool.token_bytes
     return KvMemory(
-        prompt_tokens, output_tokens, engine.window, total * every, full, peak, peak * row, seen["decode"],
-        engine.scheduler.prefix_cache.window_rows, full + peak * row,
-    )  # fmt: skip
+        prompt_tokens,
+        output_tokens,
+        engine.window,
+        total * every,
+        full,
+        peak,
+        peak * row,
+        seen["decode"],
+        engine.scheduler.prefix_cache.window_rows,
+        full + peak * row,
+    )
 
 
-def run(model: str | None, shape: str | None, dtype: str, prompt_tokens: int, output_tokens: int, budget: int):
+def run(
+    model: str | None, shape: str | None, dtype: str, prompt_tokens: int, output_tokens: int, budget: int
+):
     if shape is None:
         return measure(model, dtype, prompt_tokens, output_tokens, budget)
     with tempfile.TemporaryDirectory() as tmp:

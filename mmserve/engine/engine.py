@@ -12,7 +12,6 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import logging
-from dataclasses import dataclass
 
 import torch
 
@@ -29,6 +28,7 @@ from mmserve.engine.overlap import OverlapStages
 from mmserve.engine.request import TEXT_PREFILL_SUFFIX, Request, choice_id, text_prefill_id
 from mmserve.engine.sampler import Sampler, make_generator
 from mmserve.engine.scheduler import Scheduler, SchedulerConfig
+from mmserve.engine.step_output import BatchFailed, EngineStats, StepOutput  # noqa: F401 (re-exported)
 from mmserve.logprobs import TokenLogprobs
 from mmserve.models.family import ModelFamily, check_pixel_limit, load_family
 from mmserve.models.layer_specs import has_item_blocks, window_of
@@ -38,52 +38,6 @@ from mmserve.multimodal.items import ItemEmbedding, MultimodalItem
 from mmserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
-
-
-class BatchFailed(RuntimeError):
-    """A step's forward or sampling raised; the batch's requests were ended with finish reason "error"."""
-
-    def __init__(self, request_ids: list[str], cause: Exception) -> None:
-        super().__init__(f"step failed for {len(request_ids)} request(s): {type(cause).__name__}: {cause}")
-        self.request_ids = request_ids
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    """The engine's counters and pool use, as its owner reports them (the engine process's StatsMsg)."""
-
-    num_running: int
-    num_waiting: int
-    kv_slots: int
-    kv_slots_used: int
-    # KV slots requests hold (running, handed off, reserved for an incoming handoff), cached-prefix slots they
-    # share included: what vLLM and SGLang report as KV usage. Slots only the prefix cache holds can be evicted at
-    # will and read as free, so an idle engine reads 0; those are exactly the evictable ones, since a running or
-    # handed-off request locks the radix path it uses (mmserve.engine.scheduler).
-    kv_slots_held: int
-    prefix_cache_tokens: int
-    prefix_queries_tokens: int
-    prefix_hit_tokens: int
-    retractions: int
-    overlap_stages: int
-    overlap_tokens: int
-    state_slots: int = 0  # hybrid models: the state pool
-    state_slots_used: int = 0
-    state_checkpoints: int = 0  # held by the prefix cache
-    window_rows: int = 0  # models with sliding-window layers: the window pool
-    window_rows_used: int = 0
-
-
-@dataclass
-class StepOutput:
-    request_id: str
-    token_id: int | None  # None when the request ended without a new token (abort)
-    finish_reason: str | None  # "stop" / "length" / "abort" once finished
-    request: Request  # its `group_id` / `index` name the API request and choice (n > 1)
-    handoff: bool = False  # prefill server: the request is detached, its KV to be sent (mmserve.disagg)
-    logprobs: TokenLogprobs | None = None  # the token's, when the params ask for logprobs
-    # prompt_logprobs: one entry per prompt token (None for the first and for media rows), with the first token
-    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 def _label(name: str):

@@ -54,10 +54,13 @@ class FusedGemmaLayer(torch.nn.Module):
         self.act_fn = mlp.act_fn
         self.intermediate = mlp.gate_proj.out_features
         norms = {
-            "input": layer.input_layernorm, "q": attn.q_norm, "k": attn.k_norm,
-            "post_attention": layer.post_attention_layernorm, "pre_mlp": layer.pre_feedforward_layernorm,
+            "input": layer.input_layernorm,
+            "q": attn.q_norm,
+            "k": attn.k_norm,
+            "post_attention": layer.post_attention_layernorm,
+            "pre_mlp": layer.pre_feedforward_layernorm,
             "post_mlp": layer.post_feedforward_layernorm,
-        }  # fmt: skip
+        }
         self.norm_weights = {name: m.weight for name, m in norms.items()}
         self.eps = {name: m.eps for name, m in norms.items()}
 
@@ -90,7 +93,9 @@ class FusedGemmaLayer(torch.nn.Module):
         act = self.act_fn(gate_up[:, : self.intermediate]) * gate_up[:, self.intermediate :]
         return self.norm(meta, "post_mlp", self.down_proj(act), x)
 
-    def rotary(self, meta: AttentionMetadata, position_embeddings, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def rotary(
+        self, meta: AttentionMetadata, position_embeddings, dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """transformers' (cos, sin) of this layer's kind (1, T, D) as contiguous (T, D) rows with sin's first half
         negated: built by the first layer of its kind in a step, kept on the step's metadata for the others."""
         tables = meta.rotary_by_kind.get(self.layer_type)
@@ -98,5 +103,8 @@ class FusedGemmaLayer(torch.nn.Module):
             cos, sin = position_embeddings
             half = sin.shape[-1] // 2
             signed = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
-            tables = meta.rotary_by_kind[self.layer_type] = (cos[0].to(dtype).contiguous(), signed[0].to(dtype).contiguous())
+            tables = meta.rotary_by_kind[self.layer_type] = (
+                cos[0].to(dtype).contiguous(),
+                signed[0].to(dtype).contiguous(),
+            )
         return tables

@@ -68,9 +68,7 @@ class ModelRunner:
         cpu_kernels: bool = True,
         fp32_gemm: str = "auto",
     ) -> None:
-        check_runnable(
-            family.layer_specs
-        )  # a layer kind the engine cannot run is refused, never approximated
+        check_runnable(family.layer_specs)  # a layer kind the engine cannot run is refused, never approximated
         lm = family.load_language_model(parse_dtype(dtype), register_attention())
         self.family = family
         self.config = model_config

@@ -143,6 +143,17 @@ class Request:
             self._block_ids = ids
         return self._block_ids
 
+    def resume_points(self, start: int, end: int) -> list[int]:
+        """Positions p in (start, end], before the prompt's end, where later requests are likely to resume: every
+        item's start and end (same system prompt + another image; same image + another question; overlap stages
+        end at item starts) and the prompt's last token but one (a repeat and n > 1 siblings look up all but the
+        last token). Hybrid models checkpoint their state there, windowed ones keep the window rows before them;
+        the end of what a request computed is saved when it leaves (`Scheduler._release`)."""
+        wanted = {self.prompt_len - 1}
+        for item in self.items:
+            wanted.update((item.offset, item.end))
+        return sorted(p for p in wanted if start < p <= end and p < self.prompt_len)
+
     def chunk_end(self, start: int, end: int) -> int:
         """Where a prefill chunk from `start` that would stop at `end` does stop: never strictly inside a
         bidirectional block (its tokens must see each other in one forward), so before a block it reaches, or past

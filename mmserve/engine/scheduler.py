@@ -42,7 +42,7 @@ state_pool): their KV alone cannot resume a sequence. So
 | prefix cache          | one state per checkpoint node                      | `evict` / `evict_states` / `reset` |
 | detached request, reservation | the state slot being sent / received       | as their KV slots                  |
 A hit resumes at the deepest checkpoint (the prefix cache's `match`), whose state is copied into the request's
-slot. Checkpoints are taken where hits come from (`checkpoint_positions`): each item's start and end, the
+slot. Checkpoints are taken where hits come from (`Request.resume_points`): each item's start and end, the
 prompt's last token but one (repeats, n > 1 siblings), and at the end by donation (multi-turn, a retracted
 request, an overlap stage's text). Checkpoints take free slots or replace the least recently used one; a request
 being admitted takes a checkpoint's slot when none is free. A checkpoint is skipped when requests hold every
@@ -65,6 +65,7 @@ from dataclasses import dataclass
 
 import torch
 
+from mmserve.engine.admission import check_fits, check_window_fits
 from mmserve.engine.cache.kv_pool import KVPool
 from mmserve.engine.cache.radix_cache import PrefixCache
 from mmserve.engine.cache.state_pool import StatePool
@@ -121,38 +122,12 @@ class Scheduler:
 
     # -- admission ------------------------------------------------------------------------------
     def check_fits(self, prompt_len: int, max_tokens: int) -> None:
-        """Raise ValueError if a request of this size can never run."""
-        total = prompt_len + max_tokens
-        if prompt_len >= self.cfg.max_model_len:
-            raise ValueError(
-                f"prompt has {prompt_len} tokens (images expanded), the model's context is {self.cfg.max_model_len}"
-            )
-        if total > self.cfg.max_model_len:
-            raise ValueError(
-                f"prompt ({prompt_len} tokens, images expanded) + max_tokens ({max_tokens}) = {total} tokens exceeds "
-                f"the model's context length of {self.cfg.max_model_len}"
-            )
-        if total > self.pool.num_slots:
-            raise ValueError(
-                f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) = {total} tokens exceeds the KV cache "
-                f"capacity of {self.pool.num_slots} tokens; lower max_tokens or raise --kv-cache-mb"
-            )
+        """Raise ValueError if a request of this size can never run (admission.py)."""
+        check_fits(self.cfg.max_model_len, self.pool, prompt_len, max_tokens)
 
     def check_window_fits(self, req: Request) -> None:
-        """Raise ValueError if a request can never hold the window rows it needs at once: its window, the
-        rows it keeps for the prefix cache and its largest prefill chunk."""
-        if self.window_pool is None:
-            return
-        longest = max((b - a for a, b in req.blocks), default=0)
-        keep = len(self.checkpoint_positions(req, 0, req.prompt_len))
-        need = min(
-            req.max_len, (self.window - 1) * (1 + keep) + max(self.cfg.max_num_batched_tokens, longest)
-        )
-        if need > self.window_pool.num_slots:
-            raise ValueError(
-                f"the request needs up to {need} sliding-window KV rows at once, the window cache holds "
-                f"{self.window_pool.num_slots}; raise --kv-cache-mb"
-            )
+        """Raise ValueError if a request can never hold the window rows it needs at once (admission.py)."""
+        check_window_fits(self.cfg.max_num_batched_tokens, self.window_pool, self.window, req)
 
     def add(self, request: Request) -> None:
         self.check_fits(request.prompt_len, request.params.max_tokens)
@@ -171,9 +146,8 @@ class Scheduler:
         for req in [r for r in self.running if not r.is_prefill][:budget]:
             if req.status != RequestStatus.RUNNING:  # retracted by an earlier _grow of this loop
                 continue
-            if not self.slots.next_decode_slot(
-                req
-            ):  # short of memory: one slot, retracting the newest as needed
+            placed = self.slots.next_decode_slot(req)
+            if not placed:  # short of memory: one slot, retracting the newest requests as needed
                 budget -= self._grow(req, 1, batch)
                 continue
             req.num_computed += 1
@@ -249,7 +223,7 @@ class Scheduler:
         req.prefix_handle = match.handle
         req.num_computed = match.num_tokens
         if self.window_pool is not None and req.prefix_cache_pending:
-            self.slots.keep(req, self.checkpoint_positions(req, 0, req.prompt_len))
+            self.slots.keep(req, req.resume_points(0, req.prompt_len))
         if first_time:
             req.first_scheduled_time = time.perf_counter()
             # reuse of other requests' work only: its own text prefill (overlap) is not a cache hit
@@ -284,7 +258,7 @@ class Scheduler:
         req.num_computed += taken[0].numel()
         chunk = ScheduledChunk(req, start, req.num_computed)
         if self.states is not None and self.prefix_cache.keeps_states:
-            for p in self.checkpoint_positions(req, start, req.num_computed):
+            for p in req.resume_points(start, req.num_computed):
                 slot = self._state_slot()
                 if slot is None:
                     break
@@ -293,17 +267,6 @@ class Scheduler:
         batch[req.request_id] = chunk
 
     # -- state checkpoints (hybrid models) ----------------------------------------------------------
-    @staticmethod
-    def checkpoint_positions(req: Request, start: int, end: int) -> list[int]:
-        """Positions p in (start, end] after which a chunk of `req` saves its state for prefix hits: every item's
-        start and end (same system prompt + another image; same image + another question; overlap stages end
-        at item starts) and the prompt's last token but one (a repeat and n > 1 siblings look up all but the last
-        token). The end of what a request computed is saved by donation when it leaves (`_release`)."""
-        wanted = {req.prompt_len - 1}
-        for item in req.items:
-            wanted.update((item.offset, item.end))
-        return sorted(p for p in wanted if start < p <= end and p < req.prompt_len)
-
     def _state_holders(self) -> int:
         """State slots held by requests (running, handed off, reserved), not by the prefix cache."""
         running = sum(r.state_slot is not None for r in self.running)
@@ -398,9 +361,7 @@ class Scheduler:
         n = slots.numel()
         assert n == req.prompt_len and len(req.output_ids) == 1, (n, req.prompt_len, req.output_ids)
         assert (state_slot is None) == (self.states is None), "a hybrid model's request needs its state"
-        assert (held.window_slots is None) == (self.window_pool is None), (
-            "a windowed model's request needs rows"
-        )
+        assert (held.window_slots is None) == (self.window_pool is None), "a windowed model's request needs rows"
         self.reserved -= n
         req.slot_buffer[:n] = slots
         req.num_computed = n
@@ -480,9 +441,7 @@ class Scheduler:
     def _release(self, req: Request) -> None:
         self.slots.return_run(req)
         computed = req.num_computed
-        if (
-            req.state_slot is not None
-        ):  # donated as the checkpoint at `computed` if it stands there, else freed
+        if req.state_slot is not None:  # donated as the checkpoint at `computed` if it stands there, else freed
             if computed and req.state_pos == computed:
                 self.prefix_cache.insert(req.cache_key(computed), req.slots, req.state_slot)
             else:

@@ -9,7 +9,7 @@ Window rows (W: the window). The token at position i reads the window rows of po
 request has computed n tokens, the rows before n - W + 1 are never read again by it, and it frees them
 (`release_behind_window`). Some are kept a while longer for the prefix cache (`keep`): the W - 1 rows before each
 position a later request is likely to resume at (each item's start and end, the prompt's last token but one: the
-positions `Scheduler.checkpoint_positions` names), until the request's prompt is in the prefix cache, which then
+positions `Request.resume_points` names), until the request's prompt is in the prefix cache, which then
 holds them. A request's `window_buffer` has its window slot per position, -1 where it holds none.
 
 Not thread-safe: the scheduler's thread owns it.

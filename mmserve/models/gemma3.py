@@ -53,8 +53,18 @@ PAN_AND_SCAN = (
     "pan_and_scan_min_ratio_to_activate",
 )
 # Image-processor attributes that change a tile's pixels (all enter the content hash).
-IMAGE_SETTINGS = ("size", "resample", "do_rescale", "rescale_factor", "do_normalize", "image_mean", "image_std")
-BOTH_WAYS = frozenset({"full_attention", "sliding_attention"})  # transformers' token_type_ids mask: every layer
+IMAGE_SETTINGS = (
+    "size",
+    "resample",
+    "do_rescale",
+    "rescale_factor",
+    "do_normalize",
+    "image_mean",
+    "image_std",
+)
+BOTH_WAYS = frozenset(
+    {"full_attention", "sliding_attention"}
+)  # transformers' token_type_ids mask: every layer
 
 
 class ImageMeta(msgspec.Struct, frozen=True, array_like=True):
@@ -93,7 +103,9 @@ class Family(CausalLM):
     def __init__(self, path: str, hf_config, mm_processor_kwargs: Mapping[str, Any]) -> None:
         unknown = set(mm_processor_kwargs) - set(PAN_AND_SCAN)
         if unknown:
-            raise ValueError(f"unknown mm processor settings {sorted(unknown)}; Gemma 3 takes {list(PAN_AND_SCAN)}")
+            raise ValueError(
+                f"unknown mm processor settings {sorted(unknown)}; Gemma 3 takes {list(PAN_AND_SCAN)}"
+            )
         self.path = path
         self.hf_config = hf_config
         self.model_type = hf_config.model_type
@@ -105,7 +117,9 @@ class Family(CausalLM):
         self.pan_and_scan = {**defaults, **self.overrides}
         text = hf_config.get_text_config()
         if getattr(text, "use_bidirectional_attention", False):
-            raise ValueError("a Gemma 3 text model with bidirectional attention everywhere is not a generator")
+            raise ValueError(
+                "a Gemma 3 text model with bidirectional attention everywhere is not a generator"
+            )
         self.hidden_size = text.hidden_size
         self.layer_specs = layer_specs_from_hf(text, bidirectional=BOTH_WAYS)
         self.tokens_per_tile = hf_config.mm_tokens_per_image
@@ -150,7 +164,9 @@ class Family(CausalLM):
         try:
             meta = self.meta(item.metadata)
         except msgspec.DecodeError as e:
-            raise EmbeddingMismatch(f"{item.modality.value} embedding has no valid Gemma 3 metadata: {e}") from e
+            raise EmbeddingMismatch(
+                f"{item.modality.value} embedding has no valid Gemma 3 metadata: {e}"
+            ) from e
         if meta.num_crops < 0 or min(meta.tile_hw) < 1:
             raise EmbeddingMismatch(f"image embedding has invalid Gemma 3 metadata {meta}")
         check_tensors(self, item, self.num_tokens(meta))
@@ -180,7 +196,11 @@ class Family(CausalLM):
         pixels = out["pixel_values"]  # (1 + crops, 3, H, W)
         meta = ImageMeta(int(out["num_crops"][0]), tuple(pixels.shape[-2:]))
         return TowerInput(
-            Modality.IMAGE, {"pixel_values": pixels}, msgspec.msgpack.encode(meta), self.num_tokens(meta), pixels.shape[0]
+            Modality.IMAGE,
+            {"pixel_values": pixels},
+            msgspec.msgpack.encode(meta),
+            self.num_tokens(meta),
+            pixels.shape[0],
         )
 
     def probe_item(self) -> tuple[Modality, Any]:
@@ -231,7 +251,9 @@ class Family(CausalLM):
         per_item = torch.split(tiles, [it.cost for it in batch])
         return [{MAIN: rows.reshape(-1, rows.shape[-1]).clone()} for rows in per_item]
 
-    def lm_inputs(self, num_tokens: int, positions: torch.Tensor, rows: dict[str, torch.Tensor]) -> dict[str, Any]:
+    def lm_inputs(
+        self, num_tokens: int, positions: torch.Tensor, rows: dict[str, torch.Tensor]
+    ) -> dict[str, Any]:
         return {}
 
 

@@ -47,8 +47,17 @@ from mmserve.models.text_expansion import expand_by_text
 from mmserve.multimodal.errors import MediaDecodeError, MediaTooLargeError, UnsupportedMediaError
 from mmserve.multimodal.items import MAIN, ExpandedPrompt, ItemEmbedding, Modality, TowerInput
 
-IMAGE_SETTINGS = ("patch_size", "max_soft_tokens", "pooling_kernel_size", "resample", "do_rescale", "rescale_factor",
-                  "do_normalize", "image_mean", "image_std")  # fmt: skip
+IMAGE_SETTINGS = (
+    "patch_size",
+    "max_soft_tokens",
+    "pooling_kernel_size",
+    "resample",
+    "do_rescale",
+    "rescale_factor",
+    "do_normalize",
+    "image_mean",
+    "image_std",
+)
 MAX_AUDIO_SAMPLES = 480_000  # the feature extractor's window (30 s at 16 kHz); transformers truncates past it
 AUDIO_MAX_TOKENS = 750  # transformers' `audio_seq_length`
 
@@ -101,19 +110,25 @@ class Family(CausalLM):
     def __init__(self, path: str, hf_config, mm_processor_kwargs: Mapping[str, Any]) -> None:
         unknown = set(mm_processor_kwargs) - {"max_soft_tokens"}
         if unknown:
-            raise ValueError(f"unknown mm processor settings {sorted(unknown)}; Gemma 4 takes ['max_soft_tokens']")
+            raise ValueError(
+                f"unknown mm processor settings {sorted(unknown)}; Gemma 4 takes ['max_soft_tokens']"
+            )
         self.path = path
         self.hf_config = hf_config
         self.model_type = hf_config.model_type
         self.overrides = dict(mm_processor_kwargs)
         text = hf_config.get_text_config()
         if text.use_bidirectional_attention == "all":
-            raise ValueError("a Gemma 4 text model with bidirectional attention everywhere is not a generator")
+            raise ValueError(
+                "a Gemma 4 text model with bidirectional attention everywhere is not a generator"
+            )
         vision_both_ways = text.use_bidirectional_attention == "vision"
         self.hidden_size = text.hidden_size
         both_ways = frozenset({"sliding_attention"}) if vision_both_ways else frozenset()
         self.layer_specs = layer_specs_from_hf(text, bidirectional=both_ways)
-        self.bidirectional_modalities = frozenset({Modality.IMAGE, Modality.VIDEO}) if vision_both_ways else frozenset()
+        self.bidirectional_modalities = (
+            frozenset({Modality.IMAGE, Modality.VIDEO}) if vision_both_ways else frozenset()
+        )
         self.logit_softcap = text.final_logit_softcapping
         self.per_layer_inputs = bool(text.hidden_size_per_layer_input)
         self.pad_token_id = text.pad_token_id
@@ -149,9 +164,17 @@ class Family(CausalLM):
         """The video processor's settings (its class defaults, then the checkpoint's: `processor_config.json`'s
         "video_processor", else `video_preprocessor_config.json`): read here, since transformers' class needs
         torchvision."""
-        settings = {"patch_size": 16, "max_soft_tokens": 70, "pooling_kernel_size": 3, "do_rescale": True,
-                    "rescale_factor": 1 / 255, "do_normalize": True, "image_mean": [0.0] * 3, "image_std": [1.0] * 3,
-                    "resample": 3}  # fmt: skip
+        settings = {
+            "patch_size": 16,
+            "max_soft_tokens": 70,
+            "pooling_kernel_size": 3,
+            "do_rescale": True,
+            "rescale_factor": 1 / 255,
+            "do_normalize": True,
+            "image_mean": [0.0] * 3,
+            "image_std": [1.0] * 3,
+            "resample": 3,
+        }
         raw = _json(self.path, "processor_config.json").get("video_processor")
         if raw is None:
             raw = _json(self.path, "video_preprocessor_config.json")
@@ -205,7 +228,9 @@ class Family(CausalLM):
         try:
             rows = self.num_tokens(item.modality, item.metadata)
         except msgspec.DecodeError as e:
-            raise EmbeddingMismatch(f"{item.modality.value} embedding has no valid Gemma 4 metadata: {e}") from e
+            raise EmbeddingMismatch(
+                f"{item.modality.value} embedding has no valid Gemma 4 metadata: {e}"
+            ) from e
         if rows < 1:
             raise EmbeddingMismatch(f"{item.modality.value} embedding has invalid Gemma 4 metadata")
         check_tensors(self, item, rows)
@@ -260,7 +285,9 @@ class Family(CausalLM):
         patch = settings.get("patch_size", self.image_processor.patch_size)
         meta = VisionMeta(tokens[0], len(images), (hw[0] * patch, hw[1] * patch), timestamps)
         tensors = {"pixel_values": out["pixel_values"], "position_ids": positions}
-        return TowerInput(modality, tensors, msgspec.msgpack.encode(meta), tokens[0] * len(images), len(images))
+        return TowerInput(
+            modality, tensors, msgspec.msgpack.encode(meta), tokens[0] * len(images), len(images)
+        )
 
     def process_audio(self, samples: np.ndarray) -> TowerInput:
         if samples.shape[0] > MAX_AUDIO_SAMPLES:
@@ -320,7 +347,9 @@ class Family(CausalLM):
     def embed_ids(self, token_ids: torch.Tensor) -> torch.Tensor:
         """Media placeholder tokens (a model may generate one) are looked up as `pad_token_id`, as
         `Gemma4Model.forward` looks up every position holding one."""
-        return torch.where(torch.isin(token_ids, self.media_ids.to(token_ids.device)), self.pad_token_id, token_ids)
+        return torch.where(
+            torch.isin(token_ids, self.media_ids.to(token_ids.device)), self.pad_token_id, token_ids
+        )
 
     def token_inputs(self, language_model: torch.nn.Module, token_ids: torch.Tensor) -> dict[str, Any]:
         """Per-layer embeddings (E2B / E4B) of the packed rows' token ids, every media token (a pad value here,
@@ -366,11 +395,15 @@ class Family(CausalLM):
             pixels = torch.cat([batch[i].tensors["pixel_values"] for i in members]).to(device, tower.dtype)
             positions = torch.cat([batch[i].tensors["position_ids"] for i in members]).to(device)
             rows = tower.vision(pixels, positions)
-            for i, part in zip(members, torch.split(rows, [batch[i].num_tokens for i in members]), strict=True):
+            for i, part in zip(
+                members, torch.split(rows, [batch[i].num_tokens for i in members]), strict=True
+            ):
                 out[i] = part
         return [{MAIN: rows.clone()} for rows in out]
 
-    def lm_inputs(self, num_tokens: int, positions: torch.Tensor, rows: dict[str, torch.Tensor]) -> dict[str, Any]:
+    def lm_inputs(
+        self, num_tokens: int, positions: torch.Tensor, rows: dict[str, torch.Tensor]
+    ) -> dict[str, Any]:
         return {}
 
 
@@ -396,7 +429,9 @@ def hf_video_inputs(family: Family, videos: list) -> dict[str, Any]:
         "num_frames_per_video": [m.frames for m in metas],
         "num_soft_tokens_per_video": [m.tokens_per_frame for m in metas],
         "video_metadata": [
-            VideoMetadata(total_num_frames=m.frames, fps=1000.0, frames_indices=[round(t * 1000) for t in m.timestamps])
+            VideoMetadata(
+                total_num_frames=m.frames, fps=1000.0, frames_indices=[round(t * 1000) for t in m.timestamps]
+            )
             for m in metas
         ],
     }
@@ -416,7 +451,9 @@ def hf_processor(path: str, family: Family):
 
     tokenizer = AutoTokenizer.from_pretrained(path)
     videos = PrecomputedVideos(lambda v: hf_video_inputs(family, v))
-    extractor = Gemma4AudioFeatureExtractor.from_pretrained(path) if Modality.AUDIO in family.modalities else None
+    extractor = (
+        Gemma4AudioFeatureExtractor.from_pretrained(path) if Modality.AUDIO in family.modalities else None
+    )
     with allow_any_video_processor():
         return Gemma4Processor(
             feature_extractor=extractor,

@@ -124,9 +124,7 @@ class Family(CausalLM):
     extra_dims: dict[str, int] = {}
     audio_sample_rate_hz = None
     default_preprocess = VisionPreprocessConfig()
-    linear_attention_class: str | None = (
-        None  # the transformers class of its linear-attention layers (Qwen3.5)
-    )
+    linear_attention_class: str | None = None  # the transformers class of its linear-attention layers (Qwen3.5)
 
     def __init__(self, path: str, hf_config, mm_processor_kwargs: Mapping[str, Any]) -> None:
         self.path = path

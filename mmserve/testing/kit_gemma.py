@@ -13,7 +13,11 @@ GEMMA_TOKENS = ("<pad>", "<eos>", "<bos>", "<unk>")
 TURN_TOKENS = ("<start_of_turn>", "<end_of_turn>")
 GEMMA3_TOKENS = ("<start_of_image>", "<end_of_image>", "<image_soft_token>")
 GEMMA4_TOKENS = ("<|image>", "<image|>", "<|image|>", "<|video|>", "<|audio>", "<audio|>", "<|audio|>")
-GEMMA3_EXTRA = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"}
+GEMMA3_EXTRA = {
+    "boi_token": "<start_of_image>",
+    "eoi_token": "<end_of_image>",
+    "image_token": "<image_soft_token>",
+}
 GEMMA4_EXTRA = {
     "boi_token": "<|image>",
     "eoi_token": "<image|>",
@@ -64,7 +68,9 @@ def gemma_tokenizer(special: tuple[str, ...], extra: dict[str, str], template: s
     tok.normalizer = normalizers.Replace(" ", "▁")
     tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size - len(special), special_tokens=[*GEMMA_TOKENS, *byte_tokens], show_progress=False
+        vocab_size=vocab_size - len(special),
+        special_tokens=[*GEMMA_TOKENS, *byte_tokens],
+        show_progress=False,
     )
     tok.train_from_iterator(_GEMMA_CORPUS * 4, trainer=trainer)
     tok.add_special_tokens([*TURN_TOKENS, *special])
@@ -95,18 +101,38 @@ def _gemma3_text(size: str, tokenizer) -> dict:
         # Sliding layers around a full one, a window of 6: far below every prompt, so windows bite.
         layers = ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"]
         return dict(
-            vocab_size=len(tokenizer), hidden_size=64, intermediate_size=96, num_hidden_layers=4,
-            num_attention_heads=4, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16,
-            sliding_window=6, layer_types=layers, initializer_range=0.2, max_position_embeddings=4096, **common,
-        )  # fmt: skip
+            vocab_size=len(tokenizer),
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            query_pre_attn_scalar=16,
+            sliding_window=6,
+            layer_types=layers,
+            initializer_range=0.2,
+            max_position_embeddings=4096,
+            **common,
+        )
     # Gemma 3 1B's language model (26 layers, 5 sliding : 1 full, window 512, head size 256, one KV head) and
     # the 262,144-row embedding every Gemma 3 has; ids past the kit tokenizer decode to nothing.
     layers = ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(26)]
     return dict(
-        vocab_size=262_144, hidden_size=1152, intermediate_size=6912, num_hidden_layers=26, num_attention_heads=4,
-        num_key_value_heads=1, head_dim=256, query_pre_attn_scalar=256, sliding_window=512, layer_types=layers,
-        initializer_range=0.02, max_position_embeddings=32_768, **common,
-    )  # fmt: skip
+        vocab_size=262_144,
+        hidden_size=1152,
+        intermediate_size=6912,
+        num_hidden_layers=26,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=256,
+        query_pre_attn_scalar=256,
+        sliding_window=512,
+        layer_types=layers,
+        initializer_range=0.02,
+        max_position_embeddings=32_768,
+        **common,
+    )
 
 
 def gemma3_kit(size: str) -> KitModel:
@@ -116,12 +142,24 @@ def gemma3_kit(size: str) -> KitModel:
     ids = token_ids(tokenizer, GEMMA3_TOKENS)
     text = _gemma3_text(size, tokenizer)
     if size == "tiny":  # 64x64 tiles in 8x8 patches, pooled 2x2: 16 soft tokens a tile
-        vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                      image_size=64, patch_size=8)  # fmt: skip
+        vision = dict(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            image_size=64,
+            patch_size=8,
+        )
         tokens, tile = 16, 64
     else:  # a SigLIP-B-sized tower on 448x448 tiles in 14x14 patches, pooled 2x2: 256 soft tokens, as Gemma 3's
-        vision = dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
-                      image_size=448, patch_size=14)  # fmt: skip
+        vision = dict(
+            hidden_size=768,
+            intermediate_size=3072,
+            num_hidden_layers=12,
+            num_attention_heads=12,
+            image_size=448,
+            patch_size=14,
+        )
         tokens, tile = 256, 448
     config = Gemma3Config(
         text_config=text,
@@ -159,7 +197,9 @@ def louder_branches(model) -> None:
     generator = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for name, weight in model.named_parameters():
-            if "language_model" in name and ("post_attention_layernorm" in name or "post_feedforward_layernorm" in name):
+            if "language_model" in name and (
+                "post_attention_layernorm" in name or "post_feedforward_layernorm" in name
+            ):
                 weight.copy_(torch.empty(weight.shape).uniform_(7.0, 9.0, generator=generator))
             elif name.endswith("mm_input_projection_weight"):  # Gemma 3 draws it as zeros: images unseen
                 weight.copy_(torch.randn(weight.shape, generator=generator))
@@ -169,8 +209,15 @@ def louder_branches(model) -> None:
 # last two layers reading the KV of earlier ones, per-layer embeddings, a MoE block beside the MLP, image and video
 # blocks attended both ways on sliding layers, a final logit soft-cap, and an audio tower.
 # A full layer that writes its own KV after the first: what the first's item blocks change reaches the last token.
-GEMMA4_LAYERS = ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention",
-                 "full_attention", "sliding_attention", "full_attention"]  # fmt: skip
+GEMMA4_LAYERS = [
+    "sliding_attention",
+    "sliding_attention",
+    "full_attention",
+    "sliding_attention",
+    "full_attention",
+    "sliding_attention",
+    "full_attention",
+]
 
 
 def gemma4_kit(size: str) -> KitModel:
@@ -182,20 +229,54 @@ def gemma4_kit(size: str) -> KitModel:
     tokenizer = gemma_tokenizer(GEMMA4_TOKENS, GEMMA4_EXTRA, GEMMA4_TEMPLATE)
     ids = token_ids(tokenizer, (*GEMMA4_TOKENS, "<pad>", "<bos>", "<end_of_turn>"))
     text = dict(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=96, num_hidden_layers=7, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, global_head_dim=32, sliding_window=6, layer_types=GEMMA4_LAYERS,
-        num_kv_shared_layers=2, hidden_size_per_layer_input=8, vocab_size_per_layer_input=len(tokenizer),
-        use_bidirectional_attention="vision", final_logit_softcapping=8.0, enable_moe_block=True, num_experts=4,
-        top_k_experts=2, moe_intermediate_size=32, initializer_range=0.2, max_position_embeddings=4096,
-        pad_token_id=ids["<pad>"], bos_token_id=ids["<bos>"], eos_token_id=ids["<end_of_turn>"],
-    )  # fmt: skip
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=7,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        global_head_dim=32,
+        sliding_window=6,
+        layer_types=GEMMA4_LAYERS,
+        num_kv_shared_layers=2,
+        hidden_size_per_layer_input=8,
+        vocab_size_per_layer_input=len(tokenizer),
+        use_bidirectional_attention="vision",
+        final_logit_softcapping=8.0,
+        enable_moe_block=True,
+        num_experts=4,
+        top_k_experts=2,
+        moe_intermediate_size=32,
+        initializer_range=0.2,
+        max_position_embeddings=4096,
+        pad_token_id=ids["<pad>"],
+        bos_token_id=ids["<bos>"],
+        eos_token_id=ids["<end_of_turn>"],
+    )
     # 4-pixel patches pooled 2x2: a 64x48 image is 63 soft tokens at the smallest budget transformers allows (70)
-    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                  num_key_value_heads=2, head_dim=16, patch_size=4, pooling_kernel_size=2,
-                  position_embedding_size=64, initializer_range=0.2)  # fmt: skip
+    vision = dict(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=16,
+        patch_size=4,
+        pooling_kernel_size=2,
+        position_embedding_size=64,
+        initializer_range=0.2,
+    )
     # transformers sizes the projection after the subsampling as if the first conv had one channel per mel bin
-    audio = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, subsampling_conv_channels=[16, 4],
-                 output_proj_dims=32, conv_kernel_size=3, initializer_range=0.2)  # fmt: skip
+    audio = dict(
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        subsampling_conv_channels=[16, 4],
+        output_proj_dims=32,
+        conv_kernel_size=3,
+        initializer_range=0.2,
+    )
     config = Gemma4Config(
         text_config=text,
         vision_config=vision,
@@ -218,9 +299,19 @@ def gemma4_kit(size: str) -> KitModel:
         # (the image processor and the feature extractor would both be preprocessor_config.json). The video
         # processor needs torchvision to be built, so its part is written as it saves itself.
         image = Gemma4ImageProcessorPil(patch_size=4, max_soft_tokens=70, pooling_kernel_size=2)
-        video = {"video_processor_type": "Gemma4VideoProcessor", "patch_size": 4, "max_soft_tokens": 70,
-                 "pooling_kernel_size": 2, "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True,
-                 "image_mean": [0.0] * 3, "image_std": [1.0] * 3, "resample": 3, "do_sample_frames": False}  # fmt: skip
+        video = {
+            "video_processor_type": "Gemma4VideoProcessor",
+            "patch_size": 4,
+            "max_soft_tokens": 70,
+            "pooling_kernel_size": 2,
+            "do_rescale": True,
+            "rescale_factor": 1 / 255,
+            "do_normalize": True,
+            "image_mean": [0.0] * 3,
+            "image_std": [1.0] * 3,
+            "resample": 3,
+            "do_sample_frames": False,
+        }
         parts = {
             "processor_class": "Gemma4Processor",
             "image_processor": image.to_dict(),

@@ -18,14 +18,8 @@ resume a sequence). A node may own one state slot, the state after its last toke
 | no unlocked leaf is a tombstone: removing a state from a leaf removes the leaf, then any parent it leaves a tombstone leaf; a locked one goes when its last lock does | KV nobody can resume from is freed |
 | `evict_states` frees the least recently used states, locked nodes' too | states have their own budget; a running request copied its state at admission and needs no checkpoint |
 
-Window rows (a tree built with a window pool: models with sliding-window layers, whose rows live in a pool of
-their own and are freed once no window can read them). Each node holds, beside its full-attention slots, one
-window slot per token or -1 where that row was freed (a *window tombstone*); the tree owns one window-pool
-reference per slot it holds.
-| rule                         | why                                                                        |
-| `match` ends at the deepest point p whose W - 1 window rows before it are all held (or p < W - 1 with all rows held) | the next token's window reads them |
-| `insert` takes the caller's window rows where it holds none (tombstones revived) | a later request may resume there |
-| `evict_window` frees window rows least recently used first: an unlocked leaf goes whole, other nodes keep their full rows | window rows have their own pool |
+Window rows (a tree built with a window pool: models with sliding-window layers): each node holds, beside its
+full-attention slots, one window slot per token or -1 where that row was freed; the rules are window_rows.py's.
 
 LRU timestamps come from a counter bumped once per `match`/`insert`, so eviction order is deterministic.
 Not thread-safe: callers must hold the scheduler's lock (or be the scheduler thread) for every method.
@@ -36,90 +30,20 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 
 from mmserve.engine.cache.kv_pool import KVPool
+from mmserve.engine.cache.prefix_cache import (  # noqa: F401 (re-exported: the interface this cache implements)
+    MatchResult,
+    NoPrefixCache,
+    PrefixCache,
+    cat_slots,
+    empty_slots,
+)
+from mmserve.engine.cache.radix_integrity import check_tree
 from mmserve.engine.cache.state_pool import StatePool
-
-
-@dataclass
-class MatchResult:
-    """The longest usable cached prefix of a query; slots and state are owned by the cache, not the caller."""
-
-    slots: torch.Tensor  # int64 slots of the prefix, one per matched token
-    handle: object  # opaque; pass to lock/unlock
-    state: int | None = (
-        None  # state-checkpoint trees: the slot of the state after the prefix (None: empty state)
-    )
-    window_slots: torch.Tensor | None = (
-        None  # window trees: int64 per matched token, -1 where the row was freed
-    )
-
-    @property
-    def num_tokens(self) -> int:
-        return self.slots.numel()
-
-
-class PrefixCache(Protocol):
-    """What the engine needs from a prefix cache; `RadixCache` documents each method's contract."""
-
-    keeps_states: bool
-
-    def match(self, tokens: Sequence[int]) -> MatchResult: ...
-    def cached_len(self, tokens: Sequence[int]) -> int: ...
-    def lock(self, handle: object) -> None: ...
-    def unlock(self, handle: object) -> None: ...
-    def insert(
-        self,
-        tokens: Sequence[int],
-        slots: torch.Tensor,
-        state: int | None = None,
-        window_slots: torch.Tensor | None = None,
-    ) -> int: ...
-    def _take_window_rows(self, node: _Node, rows: torch.Tensor) -> None:
-        held = rows[rows >= 0]
-        self.window_pool.ref(held)
-        node.wslots, node.wcount = rows, held.numel()
-        self._window_rows += node.wcount
-
-    def _revive(self, node: _Node, rows: torch.Tensor) -> None:
-        """Give the path root..node (exactly `rows` long) the caller's window rows where it holds none."""
-        end = rows.numel()
-        for n in reversed(self._path(node)):
-            start = end - len(n.key)
-            mine, theirs = n.wslots, rows[start:end]
-            revive = (mine < 0) & (theirs >= 0)
-            if bool(revive.any()):
-                self.window_pool.ref(theirs[revive])
-                mine[revive] = theirs[revive]
-                n.wcount += int(revive.sum())
-                self._window_rows += int(revive.sum())
-            end = start
-
-    def evict(self, num_tokens: int) -> int: ...
-    def evict_states(self, num_states: int) -> int: ...
-    def evict_window(self, num_rows: int) -> int: ...
-    @property
-    def total_tokens(self) -> int: ...
-    @property
-    def evictable_tokens(self) -> int: ...
-    @property
-    def num_states(self) -> int: ...
-    @property
-    def window_rows(self) -> int: ...
-    def reset(self) -> None: ...
-    def check_integrity(self) -> None: ...
-
-
-def _empty_slots() -> torch.Tensor:
-    return torch.empty(0, dtype=torch.int64)
-
-
-def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
-    return torch.cat(parts) if parts else _empty_slots()
+from mmserve.engine.cache.window_rows import drop_rows, resume_point, revive_rows, take_rows
 
 
 class _Node:
@@ -167,7 +91,7 @@ class RadixCache:
         self._init_tree()
 
     def _init_tree(self) -> None:
-        self._root = _Node([], _empty_slots(), None, 0)
+        self._root = _Node([], empty_slots(), None, 0)
         # Insertion-ordered set of non-root childless nodes, so eviction need not walk the whole tree.
         self._leaves: dict[_Node, None] = {}
         self._stateful: dict[_Node, None] = {}  # nodes that own a state
@@ -205,20 +129,19 @@ class RadixCache:
             depth = max((i for i, node in enumerate(path) if node.state is not None), default=-1)
             node = path[depth] if depth >= 0 else self._root
             parts = [n.slots for n in path[: depth + 1]]
-            slots = torch.cat(parts) if parts else _empty_slots()
+            slots = torch.cat(parts) if parts else empty_slots()
             return MatchResult(slots, node, node.state)
         if self.window_pool is not None:
             tokens = tokens[: self._resumable(tokens)]
             node, _, parts = self._descend(tokens)
             wparts = [n.wslots for n in self._path(node)]
-            return MatchResult(_cat(parts), node, window_slots=_cat(wparts))
+            return MatchResult(cat_slots(parts), node, window_slots=cat_slots(wparts))
         node, _, parts = self._descend(tokens)
-        return MatchResult(slots=_cat(parts), handle=node)
+        return MatchResult(slots=cat_slots(parts), handle=node)
 
     def _resumable(self, tokens: Sequence[int]) -> int:
         """Window trees: the longest prefix of `tokens` that is cached with the window rows its next token reads:
         the end of a run of held rows at least W - 1 long, or starting at 0. Changes nothing."""
-        need = self.window - 1
         rows: list[torch.Tensor] = []
         node, matched = self._root, 0
         while matched < len(tokens):
@@ -231,15 +154,7 @@ class RadixCache:
             if common < len(child.key):
                 break
             node = child
-        if not rows:
-            return 0
-        freed = (torch.cat(rows) < 0).nonzero().flatten().tolist()  # positions whose window row is gone
-        end = matched
-        for gap in reversed(freed):  # runs of held rows [gap + 1, end), right to left
-            if end - (gap + 1) >= need:
-                return end
-            end = gap
-        return end  # the run from the start: nothing before it to read
+        return resume_point(cat_slots(rows), self.window)
 
     def _path(self, node: _Node) -> list[_Node]:
         """The nodes from the root's child down to `node`."""
@@ -359,9 +274,7 @@ class RadixCache:
         return matched
 
     def _take_window_rows(self, node: _Node, rows: torch.Tensor) -> None:
-        held = rows[rows >= 0]
-        self.window_pool.ref(held)
-        node.wslots, node.wcount = rows, held.numel()
+        node.wslots, node.wcount = rows, take_rows(self.window_pool, rows)
         self._window_rows += node.wcount
 
     def _revive(self, node: _Node, rows: torch.Tensor) -> None:
@@ -369,13 +282,9 @@ class RadixCache:
         end = rows.numel()
         for n in reversed(self._path(node)):
             start = end - len(n.key)
-            mine, theirs = n.wslots, rows[start:end]
-            revive = (mine < 0) & (theirs >= 0)
-            if bool(revive.any()):
-                self.window_pool.ref(theirs[revive])
-                mine[revive] = theirs[revive]
-                n.wcount += int(revive.sum())
-                self._window_rows += int(revive.sum())
+            revived = revive_rows(self.window_pool, n.wslots, rows[start:end])
+            n.wcount += revived
+            self._window_rows += revived
             end = start
 
     def evict(self, num_tokens: int) -> int:
@@ -456,10 +365,8 @@ class RadixCache:
         return nodes
 
     def _drop_window_rows(self, node: _Node) -> int:
-        held = node.wslots >= 0
-        self.window_pool.free(node.wslots[held])
-        node.wslots[held] = -1
-        freed, node.wcount = node.wcount, 0
+        freed = drop_rows(self.window_pool, node.wslots)
+        node.wcount = 0
         self._window_rows -= freed
         return freed
 
@@ -511,70 +418,9 @@ class RadixCache:
         self._init_tree()
 
     def check_integrity(self) -> None:
-        """Raise AssertionError if the tree's structure, counters, pool references or states are inconsistent.
-        Mutates nothing."""
-        root = self._root
-        assert root.parent is None and not root.key and root.slots.numel() == 0, "malformed root"
-        assert root.state is None, "the root holds a state"
-        total = evictable = 0
-        parts: list[torch.Tensor] = []
-        leaves: set[_Node] = set()
-        stateful: list[_Node] = []
-        windows: list[torch.Tensor] = []
-        stack = [root]
-        while stack:
-            node = stack.pop()
-            assert node.lock_ref >= 0, f"negative lock_ref {node.lock_ref}"
-            child_locks = sum(c.lock_ref for c in node.children.values())
-            assert node.lock_ref >= child_locks, f"lock_ref {node.lock_ref} < children's {child_locks}"
-            assert node.last_access <= self._clock, "last_access in the future"
-            for first, child in node.children.items():
-                assert child.parent is node, "child's parent pointer is wrong"
-                assert len(child.key) == child.slots.numel() > 0, "key/slots length mismatch or empty"
-                assert child.key[0] == first, f"child keyed by {first} starts with {child.key[0]}"
-                assert child.slots.dtype == torch.int64 and child.slots.dim() == 1, "slots not 1-D int64"
-                stack.append(child)
-            if node is root:
-                continue
-            total += len(node.key)
-            evictable += len(node.key) if node.lock_ref == 0 else 0
-            parts.append(node.slots)
-            if self.window_pool is not None:
-                assert node.wslots is not None and node.wslots.numel() == len(node.key), (
-                    "window rows misaligned"
-                )
-                held = node.wslots[node.wslots >= 0]
-                assert held.numel() == node.wcount, (
-                    f"node counts {node.wcount} window rows, holds {held.numel()}"
-                )
-                windows.append(held)
-            if node.state is not None:
-                stateful.append(node)
-            if not node.children:
-                leaves.add(node)
-                assert not self._trimmable(node), "an unlocked leaf without a state (tombstone)"
-        assert total == self._total_tokens, f"total_tokens {self._total_tokens} but tree holds {total}"
-        assert evictable == self._evictable_tokens, f"evictable {self._evictable_tokens}, actual {evictable}"
-        assert leaves == set(self._leaves), "leaf set out of sync with the tree"
-        stored = torch.cat([_empty_slots(), *parts])
-        assert torch.unique(stored).numel() == stored.numel(), "a slot appears twice in the tree"
-        assert bool((self.pool.refcount(stored) >= 1).all()), "tree holds a slot with refcount 0"
-        if self.window_pool is not None:
-            held = torch.cat([_empty_slots(), *windows])
-            assert held.numel() == self._window_rows, (
-                f"window_rows {self._window_rows}, tree holds {held.numel()}"
-            )
-            assert torch.unique(held).numel() == held.numel(), "a window slot appears twice in the tree"
-            assert bool((self.window_pool.refcount(held) >= 1).all()), (
-                "tree holds a window slot with refcount 0"
-            )
-        assert set(stateful) == set(self._stateful), "stateful node set out of sync with the tree"
-        states = [n.state for n in stateful]
-        assert len(set(states)) == len(states), "a state slot appears twice in the tree"
-        if states:
-            assert self.states is not None and bool(self.states._used[torch.tensor(states)].all()), (
-                "tree holds a free state slot"
-            )
+        """Raise AssertionError if the tree's structure, counters, pool references, states or window rows are
+        inconsistent (radix_integrity.py). Mutates nothing."""
+        check_tree(self)
 
     def _walk(self, tokens: Sequence[int], stamp: bool) -> list[_Node]:
         """The nodes whose whole edge is a prefix of `tokens`, root excluded, in order (no split)."""
@@ -637,89 +483,3 @@ class RadixCache:
     def _as_node(self, handle: object) -> _Node:
         assert isinstance(handle, _Node), f"not a RadixCache handle: {handle!r}"
         return handle
-
-
-class NoPrefixCache:
-    """A `PrefixCache` that caches nothing (`--disable-prefix-cache`; a decode server). A state it is handed
-    is freed at once."""
-
-    def __init__(self, states: StatePool | None = None) -> None:
-        self.states = states
-        self.keeps_states = states is not None
-
-    def match(self, tokens: Sequence[int]) -> MatchResult:
-        """Always the empty prefix. Mutates nothing."""
-        return MatchResult(slots=_empty_slots(), handle=None, window_slots=_empty_slots())
-
-    def cached_len(self, tokens: Sequence[int]) -> int:
-        return 0
-
-    def lock(self, handle: object) -> None:
-        """No-op."""
-
-    def unlock(self, handle: object) -> None:
-        """No-op."""
-
-    def insert(
-        self,
-        tokens: Sequence[int],
-        slots: torch.Tensor,
-        state: int | None = None,
-        window_slots: torch.Tensor | None = None,
-    ) -> int:
-        """Stores nothing and takes no slot references; frees `state`; returns 0."""
-        if state is not None:
-            self.states.free(state)
-        return 0
-
-    def _take_window_rows(self, node: _Node, rows: torch.Tensor) -> None:
-        held = rows[rows >= 0]
-        self.window_pool.ref(held)
-        node.wslots, node.wcount = rows, held.numel()
-        self._window_rows += node.wcount
-
-    def _revive(self, node: _Node, rows: torch.Tensor) -> None:
-        """Give the path root..node (exactly `rows` long) the caller's window rows where it holds none."""
-        end = rows.numel()
-        for n in reversed(self._path(node)):
-            start = end - len(n.key)
-            mine, theirs = n.wslots, rows[start:end]
-            revive = (mine < 0) & (theirs >= 0)
-            if bool(revive.any()):
-                self.window_pool.ref(theirs[revive])
-                mine[revive] = theirs[revive]
-                n.wcount += int(revive.sum())
-                self._window_rows += int(revive.sum())
-            end = start
-
-    def evict(self, num_tokens: int) -> int:
-        """Nothing to evict; returns 0."""
-        return 0
-
-    def evict_states(self, num_states: int) -> int:
-        return 0
-
-    def evict_window(self, num_rows: int) -> int:
-        return 0
-
-    @property
-    def total_tokens(self) -> int:
-        return 0
-
-    @property
-    def evictable_tokens(self) -> int:
-        return 0
-
-    @property
-    def num_states(self) -> int:
-        return 0
-
-    @property
-    def window_rows(self) -> int:
-        return 0
-
-    def reset(self) -> None:
-        """No-op."""
-
-    def check_integrity(self) -> None:
-        """Nothing to check."""

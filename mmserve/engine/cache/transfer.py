@@ -26,9 +26,7 @@ class HandoffSlots:
     reservation until `Scheduler.adopt` hands them to the request or `unreserve` frees them)."""
 
     slots: torch.Tensor  # a KV-pool slot for every prompt row
-    window_slots: torch.Tensor | None = (
-        None  # window-pool slots of the last W - 1 prompt rows (windowed models)
-    )
+    window_slots: torch.Tensor | None = None  # window-pool slots of the last W - 1 prompt rows (windowed models)
     state_slot: int | None = None  # the linear layers' state (hybrid models)
 
 

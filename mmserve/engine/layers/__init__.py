@@ -41,11 +41,14 @@ def check_runnable(specs: tuple[LayerSpec, ...]) -> None:
     attention = {i: s for i, s in enumerate(specs) if isinstance(s, AttentionSpec)}
     windows = sorted({s.window for s in attention.values() if s.window is not None})
     if len(windows) > 1:
-        raise UnsupportedLayerKind(f"the model's sliding layers use {len(windows)} window sizes {windows}; "
-                                   "mmserve's engine runs one")  # fmt: skip
+        raise UnsupportedLayerKind(
+            f"the model's sliding layers use {len(windows)} window sizes {windows}; mmserve's engine runs one"
+        )
     if windows and any(isinstance(s, LinearStateSpec) for s in specs):
-        raise UnsupportedLayerKind("the model has both sliding-window and linear-attention layers; "
-                                   "mmserve's engine runs one or the other")  # fmt: skip
+        raise UnsupportedLayerKind(
+            "the model has both sliding-window and linear-attention layers; "
+            "mmserve's engine runs one or the other"
+        )
     for i, spec in attention.items():
         source = attention.get(spec.kv_source) if spec.kv_source is not None else None
         if spec.kv_source is None:

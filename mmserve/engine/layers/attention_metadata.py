@@ -135,9 +135,7 @@ class AttentionMetadata:
     # the same per layer type, for models whose layer types rotate by their own bases (fused_gemma)
     rotary_by_kind: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     kernels: CpuKernels | None = None  # mmserve's CPU kernels when the engine runs them (cpu_kernels.py)
-    state: StateMetadata | None = (
-        None  # hybrid models: the linear layers' state slots (layers/linear_state.py)
-    )
+    state: StateMetadata | None = None  # hybrid models: the linear layers' state slots (layers/linear_state.py)
 
     # The first view's parts: the whole step of a model whose layers are all of one kind (the fused layers').
     @property
