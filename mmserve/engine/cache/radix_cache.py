@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 
@@ -129,8 +129,7 @@ class RadixCache:
             depth = max((i for i, node in enumerate(path) if node.state is not None), default=-1)
             node = path[depth] if depth >= 0 else self._root
             parts = [n.slots for n in path[: depth + 1]]
-            slots = torch.cat(parts) if parts else empty_slots()
-            return MatchResult(slots, node, node.state)
+            return MatchResult(cat_slots(parts), node, node.state)
         if self.window_pool is not None:
             tokens = tokens[: self._resumable(tokens)]
             node, _, parts = self._descend(tokens)
@@ -142,18 +141,7 @@ class RadixCache:
     def _resumable(self, tokens: Sequence[int]) -> int:
         """Window trees: the longest prefix of `tokens` that is cached with the window rows its next token reads:
         the end of a run of held rows at least W - 1 long, or starting at 0. Changes nothing."""
-        rows: list[torch.Tensor] = []
-        node, matched = self._root, 0
-        while matched < len(tokens):
-            child = node.children.get(tokens[matched])
-            if child is None:
-                break
-            common = _common_prefix_len(child.key, tokens, matched)
-            rows.append(child.wslots[:common])
-            matched += common
-            if common < len(child.key):
-                break
-            node = child
+        rows = [child.wslots[:common] for child, common in self._edges(tokens)]
         return resume_point(cat_slots(rows), self.window)
 
     def _path(self, node: _Node) -> list[_Node]:
@@ -176,17 +164,7 @@ class RadixCache:
             return best
         if self.window_pool is not None:
             return self._resumable(tokens)
-        node, matched = self._root, 0
-        while matched < len(tokens):
-            child = node.children.get(tokens[matched])
-            if child is None:
-                break
-            common = _common_prefix_len(child.key, tokens, matched)
-            matched += common
-            if common < len(child.key):
-                break
-            node = child
-        return matched
+        return sum(common for _, common in self._edges(tokens))
 
     def lock(self, handle: object) -> None:
         """Protect the path root..handle from eviction (one more lock on each node of it). `handle` must come
@@ -427,20 +405,26 @@ class RadixCache:
         if stamp:
             self._clock += 1
             self._root.last_access = self._clock
-        node, matched, path = self._root, 0, []
+        path = [child for child, common in self._edges(tokens) if common == len(child.key)]
+        if stamp:
+            for child in path:
+                child.last_access = self._clock
+        return path
+
+    def _edges(self, tokens: Sequence[int]) -> Iterator[tuple[_Node, int]]:
+        """Each node on the longest present prefix of `tokens`, root excluded, with how many of its edge's tokens
+        the prefix covers (all but maybe the last's). Changes nothing."""
+        node, matched = self._root, 0
         while matched < len(tokens):
             child = node.children.get(tokens[matched])
             if child is None:
-                break
+                return
             common = _common_prefix_len(child.key, tokens, matched)
+            yield child, common
             if common < len(child.key):
-                break
-            if stamp:
-                child.last_access = self._clock
-            path.append(child)
+                return
             matched += common
             node = child
-        return path
 
     def _descend(self, tokens: Sequence[int]) -> tuple[_Node, int, list[torch.Tensor]]:
         """Walk the longest present prefix of `tokens`, splitting the last edge if the prefix ends inside
