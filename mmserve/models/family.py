@@ -18,6 +18,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -170,10 +171,21 @@ class ModelFamily(Protocol):
 
 class CausalLM:
     """The defaults of the hooks above: a language model that attends causally, takes nothing per token beyond
-    its embeddings and caps no logits."""
+    its embeddings and caps no logits; and of a family's processor: no per-request item settings, the
+    checkpoint's own tokenizer (at `self.path`)."""
 
     logit_softcap: float | None = None
     remaps_ids = False
+
+    @cached_property
+    def tokenizer(self):
+        """Built on first use: the API server and a language-only engine may never need it."""
+        from mmserve.models.loader import load_tokenizer
+
+        return load_tokenizer(self.path)
+
+    def item_settings(self, modalities: Sequence[Modality]) -> list[dict[str, Any]]:
+        return [{} for _ in modalities]
 
     def token_inputs(self, language_model, token_ids) -> dict[str, Any]:
         return {}

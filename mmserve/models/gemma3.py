@@ -22,7 +22,7 @@ where an image's tokens attend to each other both ways in every layer.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from functools import cached_property
 from typing import Any
 
@@ -133,15 +133,6 @@ class Family(CausalLM):
         from transformers import Gemma3ImageProcessorPil
 
         return Gemma3ImageProcessorPil.from_pretrained(self.path)
-
-    @cached_property
-    def tokenizer(self):
-        from transformers import AutoTokenizer
-
-        return AutoTokenizer.from_pretrained(self.path)
-
-    def item_settings(self, modalities: Sequence[Modality]) -> list[dict[str, Any]]:
-        return [{} for _ in modalities]
 
     def hash_settings(self, modality: Modality, settings: Mapping[str, Any]) -> dict[str, Any]:
         if settings:

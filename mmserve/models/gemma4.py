@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from functools import cached_property
 from typing import Any
 
@@ -60,6 +60,20 @@ IMAGE_SETTINGS = (
 )
 MAX_AUDIO_SAMPLES = 480_000  # the feature extractor's window (30 s at 16 kHz); transformers truncates past it
 AUDIO_MAX_TOKENS = 750  # transformers' `audio_seq_length`
+
+
+# transformers' Gemma4VideoProcessor class defaults (the class itself needs torchvision, so they are written here)
+VIDEO_DEFAULTS: dict[str, Any] = {
+    "patch_size": 16,
+    "max_soft_tokens": 70,
+    "pooling_kernel_size": 3,
+    "do_rescale": True,
+    "rescale_factor": 1 / 255,
+    "do_normalize": True,
+    "image_mean": [0.0] * 3,
+    "image_std": [1.0] * 3,
+    "resample": 3,
+}
 
 
 class VisionMeta(msgspec.Struct, frozen=True, array_like=True):
@@ -164,17 +178,7 @@ class Family(CausalLM):
         """The video processor's settings (its class defaults, then the checkpoint's: `processor_config.json`'s
         "video_processor", else `video_preprocessor_config.json`): read here, since transformers' class needs
         torchvision."""
-        settings = {
-            "patch_size": 16,
-            "max_soft_tokens": 70,
-            "pooling_kernel_size": 3,
-            "do_rescale": True,
-            "rescale_factor": 1 / 255,
-            "do_normalize": True,
-            "image_mean": [0.0] * 3,
-            "image_std": [1.0] * 3,
-            "resample": 3,
-        }
+        settings = dict(VIDEO_DEFAULTS)
         raw = _json(self.path, "processor_config.json").get("video_processor")
         if raw is None:
             raw = _json(self.path, "video_preprocessor_config.json")
@@ -186,15 +190,6 @@ class Family(CausalLM):
         from transformers import Gemma4AudioFeatureExtractor
 
         return Gemma4AudioFeatureExtractor.from_pretrained(self.path)
-
-    @cached_property
-    def tokenizer(self):
-        from transformers import AutoTokenizer
-
-        return AutoTokenizer.from_pretrained(self.path)
-
-    def item_settings(self, modalities: Sequence[Modality]) -> list[dict[str, Any]]:
-        return [{} for _ in modalities]
 
     def hash_settings(self, modality: Modality, settings: Mapping[str, Any]) -> dict[str, Any]:
         if settings:

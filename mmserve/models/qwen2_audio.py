@@ -17,7 +17,7 @@ accepted. With tied embeddings and no head in the checkpoint, the head shares th
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -146,9 +146,6 @@ class Family(CausalLM):
         self.layer_specs = layer_specs_from_hf(hf_config.get_text_config())
 
     # -- processor ------------------------------------------------------------------------------------
-    def item_settings(self, modalities: Sequence[Modality]) -> list[dict[str, Any]]:
-        return [{} for _ in modalities]
-
     def hash_settings(self, modality: Modality, settings: Mapping[str, Any]) -> dict[str, Any]:
         if settings:
             raise UnsupportedMediaError(f"unknown item settings {sorted(settings)} for this model")

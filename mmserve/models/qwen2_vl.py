@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from functools import cached_property
 from typing import Any
@@ -150,9 +150,6 @@ class Family(CausalLM):
         """Built on first use: the API server and a language-only engine never preprocess (and skip the
         import)."""
         return make_image_processor(self.cfg)
-
-    def item_settings(self, modalities: Sequence[Modality]) -> list[dict[str, Any]]:
-        return [{} for _ in modalities]
 
     def hash_settings(self, modality: Modality, settings: Mapping[str, Any]) -> dict[str, Any]:
         if settings:

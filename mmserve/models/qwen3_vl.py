@@ -152,14 +152,6 @@ class Family(qwen2_vl.Family):
     def timestamp_ids(self, seconds: float) -> tuple[int, ...]:
         return tuple(self.tokenizer(f"<{seconds:.1f} seconds>", add_special_tokens=False)["input_ids"])
 
-    @property
-    def tokenizer(self):
-        if not hasattr(self, "_tokenizer"):
-            from transformers import AutoTokenizer
-
-            self._tokenizer = AutoTokenizer.from_pretrained(self.path)
-        return self._tokenizer
-
     def collapse_video_wrappers(self, token_ids: list[int]) -> list[int]:
         """The chat template wraps each video placeholder in `<|vision_start|>` / `<|vision_end|>`, and every frame
         of the expansion brings its own pair: the template's outer pair is dropped, as transformers' Qwen3-VL

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 
-from mmserve.testing.kit_base import _CORPUS, KitModel, token_ids
+from mmserve.testing.kit_base import _CORPUS, KitModel, tiny_only, token_ids
 
 GEMMA_TOKENS = ("<pad>", "<eos>", "<bos>", "<unk>")
 TURN_TOKENS = ("<start_of_turn>", "<end_of_turn>")
@@ -223,7 +223,7 @@ GEMMA4_LAYERS = [
 def gemma4_kit(size: str) -> KitModel:
     from transformers import Gemma4AudioFeatureExtractor, Gemma4Config, Gemma4ImageProcessorPil
 
-    from mmserve.testing.kit_base import tiny_only
+    from mmserve.models.gemma4 import VIDEO_DEFAULTS
 
     tiny_only("gemma4", size)
     tokenizer = gemma_tokenizer(GEMMA4_TOKENS, GEMMA4_EXTRA, GEMMA4_TEMPLATE)
@@ -301,15 +301,9 @@ def gemma4_kit(size: str) -> KitModel:
         image = Gemma4ImageProcessorPil(patch_size=4, max_soft_tokens=70, pooling_kernel_size=2)
         video = {
             "video_processor_type": "Gemma4VideoProcessor",
+            **VIDEO_DEFAULTS,
             "patch_size": 4,
-            "max_soft_tokens": 70,
             "pooling_kernel_size": 2,
-            "do_rescale": True,
-            "rescale_factor": 1 / 255,
-            "do_normalize": True,
-            "image_mean": [0.0] * 3,
-            "image_std": [1.0] * 3,
-            "resample": 3,
             "do_sample_frames": False,
         }
         parts = {
