@@ -171,8 +171,8 @@ class ModelFamily(Protocol):
 
 class CausalLM:
     """The defaults of the hooks above: a language model that attends causally, takes nothing per token beyond
-    its embeddings and caps no logits; and of a family's processor: no per-request item settings, the
-    checkpoint's own tokenizer (at `self.path`)."""
+    its embeddings, positions 0..L-1 and no extra inputs (`lm_inputs`), and caps no logits; and of a family's
+    processor: no per-request item settings, the checkpoint's own tokenizer (at `self.path`)."""
 
     logit_softcap: float | None = None
     remaps_ids = False
@@ -186,6 +186,12 @@ class CausalLM:
 
     def item_settings(self, modalities: Sequence[Modality]) -> list[dict[str, Any]]:
         return [{} for _ in modalities]
+
+    def positions(self, expanded: ExpandedPrompt) -> tuple[torch.Tensor, int]:
+        return sequential_positions(expanded)
+
+    def lm_inputs(self, num_tokens: int, positions: torch.Tensor, rows: dict[str, torch.Tensor]) -> dict[str, Any]:
+        return {}
 
     def token_inputs(self, language_model, token_ids) -> dict[str, Any]:
         return {}

@@ -38,7 +38,6 @@ from mmserve.models.family import (
     check_tensors,
     item_runs,
     plain_setting,
-    sequential_positions,
 )
 from mmserve.models.layer_specs import layer_specs_from_hf
 from mmserve.models.text_expansion import expand_by_text
@@ -218,9 +217,6 @@ class Family(CausalLM):
         args = (self.placeholders, self.render, self.runs, self.soft_tokens)
         return expand_by_text(self.tokenizer, token_ids, items, *args)
 
-    def positions(self, expanded: ExpandedPrompt) -> tuple[torch.Tensor, int]:
-        return sequential_positions(expanded)
-
     def bidirectional_blocks(self, expanded: ExpandedPrompt) -> list[tuple[int, int]]:
         return item_runs(expanded, self.modalities)
 
@@ -241,11 +237,6 @@ class Family(CausalLM):
         tiles = tower(pixels)  # (tiles, soft tokens, hidden)
         per_item = torch.split(tiles, [it.cost for it in batch])
         return [{MAIN: rows.reshape(-1, rows.shape[-1]).clone()} for rows in per_item]
-
-    def lm_inputs(
-        self, num_tokens: int, positions: torch.Tensor, rows: dict[str, torch.Tensor]
-    ) -> dict[str, Any]:
-        return {}
 
 
 def hf_processor(path: str, family: Family):

@@ -40,7 +40,6 @@ from mmserve.models.family import (
     check_tensors,
     item_runs,
     plain_setting,
-    sequential_positions,
 )
 from mmserve.models.layer_specs import layer_specs_from_hf
 from mmserve.models.text_expansion import expand_by_text
@@ -331,9 +330,6 @@ class Family(CausalLM):
         args = (self.placeholders, self.render, self.runs, self.soft_tokens)
         return expand_by_text(self.tokenizer, token_ids, items, *args)
 
-    def positions(self, expanded: ExpandedPrompt) -> tuple[torch.Tensor, int]:
-        return sequential_positions(expanded)
-
     def bidirectional_blocks(self, expanded: ExpandedPrompt) -> list[tuple[int, int]]:
         return item_runs(expanded, self.bidirectional_modalities)
 
@@ -395,11 +391,6 @@ class Family(CausalLM):
             ):
                 out[i] = part
         return [{MAIN: rows.clone()} for rows in out]
-
-    def lm_inputs(
-        self, num_tokens: int, positions: torch.Tensor, rows: dict[str, torch.Tensor]
-    ) -> dict[str, Any]:
-        return {}
 
 
 def _json(path: str, name: str) -> dict:

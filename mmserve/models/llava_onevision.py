@@ -50,7 +50,6 @@ from mmserve.models.family import (
     check_tensors,
     expand_placeholders,
     plain_setting,
-    sequential_positions,
 )
 from mmserve.models.layer_specs import layer_specs_from_hf
 from mmserve.multimodal.errors import MediaDecodeError, UnsupportedMediaError
@@ -408,9 +407,6 @@ class Family(CausalLM):
     def expand(self, token_ids: list[int], items: list[Any]) -> ExpandedPrompt:
         return expand_placeholders(token_ids, items, self.placeholders)
 
-    def positions(self, expanded: ExpandedPrompt) -> tuple[torch.Tensor, int]:
-        return sequential_positions(expanded)
-
     # -- weights and forward --------------------------------------------------------------------------
     def load_language_model(self, dtype: torch.dtype, attn_implementation: str) -> LanguageModel:
         return weights.load_nested_language_model(self.path, self.hf_config, dtype, attn_implementation)
@@ -439,11 +435,6 @@ class Family(CausalLM):
             # Independent storage per item: each lives on in the cache on its own.
             out.append({MAIN: rows.clone()})
         return out
-
-    def lm_inputs(
-        self, num_tokens: int, positions: torch.Tensor, rows: dict[str, torch.Tensor]
-    ) -> dict[str, Any]:
-        return {}
 
 
 def hf_video_inputs(family: Family, videos: list) -> dict[str, Any]:

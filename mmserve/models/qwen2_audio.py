@@ -32,7 +32,6 @@ from mmserve.models.family import (
     LanguageModel,
     check_tensors,
     expand_placeholders,
-    sequential_positions,
 )
 from mmserve.models.layer_specs import layer_specs_from_hf
 from mmserve.multimodal.errors import MediaDecodeError, MediaTooLargeError, UnsupportedMediaError
@@ -221,9 +220,6 @@ class Family(CausalLM):
     def expand(self, token_ids: list[int], items: list[Any]) -> ExpandedPrompt:
         return expand_placeholders(token_ids, items, self.placeholders)
 
-    def positions(self, expanded: ExpandedPrompt) -> tuple[torch.Tensor, int]:
-        return sequential_positions(expanded)
-
     # -- weights and forward --------------------------------------------------------------------------
     def load_language_model(self, dtype: torch.dtype, attn_implementation: str) -> LanguageModel:
         return weights.load_nested_language_model(self.path, self.hf_config, dtype, attn_implementation)
@@ -250,11 +246,6 @@ class Family(CausalLM):
         projected = tower(features, num_frames)  # (B, window_tokens, hidden)
         # Independent storage per item: each lives on in the cache on its own.
         return [{MAIN: projected[i, : it.num_tokens].clone()} for i, it in enumerate(batch)]
-
-    def lm_inputs(
-        self, num_tokens: int, positions: torch.Tensor, rows: dict[str, torch.Tensor]
-    ) -> dict[str, Any]:
-        return {}
 
 
 def hf_processor(path: str, family: Family):

@@ -336,11 +336,6 @@ class Family(CausalLM):
         # Independent storage per item: each lives on in the cache on its own.
         return [{MAIN: rows.clone()} for rows in torch.split(merged, [it.num_tokens for it in batch])]
 
-    def lm_inputs(
-        self, num_tokens: int, positions: torch.Tensor, rows: dict[str, torch.Tensor]
-    ) -> dict[str, Any]:
-        return {}
-
 
 def finish_positions(
     segments: list[torch.Tensor], cursor: int, pos: int, length: int
