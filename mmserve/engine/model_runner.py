@@ -115,16 +115,12 @@ class ModelRunner:
         """Per layer, its K and V cache, from whichever pool holds the layer (built once per pair of pools)."""
         key = (id(pool), id(window_pool))
         if self._caches is None or self._caches[0] != key:
-            pools = [pool] if window_pool is None else [pool, window_pool]
-            k = [
-                next((p.k_cache[i] for p in pools if p.k_cache[i] is not None), None)
-                for i in range(pool.num_layers)
-            ]
-            v = [
-                next((p.v_cache[i] for p in pools if p.v_cache[i] is not None), None)
-                for i in range(pool.num_layers)
-            ]
-            self._caches = (key, (k, v))
+            if window_pool is None:
+                caches = (pool.k_cache, pool.v_cache)
+            else:  # each layer's rows are in exactly one of the two pools (None in the other)
+                k, v = _either(pool.k_cache, window_pool.k_cache), _either(pool.v_cache, window_pool.v_cache)
+                caches = (k, v)
+            self._caches = (key, caches)
         return self._caches[1]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -229,6 +225,10 @@ class ModelRunner:
         else:
             picked = last[sample_rows]
         return ForwardOutput(self.logits(picked), prompt_logits)
+
+
+def _either(a: list[torch.Tensor | None], b: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+    return [x if x is not None else y for x, y in zip(a, b, strict=True)]
 
 
 def _check_state(chunk: ScheduledChunk) -> None:

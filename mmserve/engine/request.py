@@ -158,22 +158,25 @@ class Request:
         """Where a prefill chunk from `start` that would stop at `end` does stop: never strictly inside a
         bidirectional block (its tokens must see each other in one forward), so before a block it reaches, or past
         the end of the block it starts in (even past the budget)."""
-        for a, b in self.blocks:
-            if a < end < b:
-                return a if start < a else b
-            if a >= end:
-                break
-        return end
+        block = self._block_around(end)
+        if block is None:
+            return end
+        return block[0] if start < block[0] else block[1]
 
     def safe_prefix(self, n: int) -> int:
         """The longest prefix of the first n tokens that ends outside every bidirectional block: what may enter
         the prefix cache (KV of part of a block was computed without the rest of it)."""
+        block = self._block_around(n)
+        return n if block is None else block[0]
+
+    def _block_around(self, n: int) -> tuple[int, int] | None:
+        """The bidirectional block that position n cuts strictly inside (start < n < end), if any."""
         for a, b in self.blocks:
             if a < n < b:
-                return a
+                return a, b
             if a >= n:
                 break
-        return n
+        return None
 
     @property
     def prompt_token_set(self) -> torch.Tensor:

@@ -139,6 +139,7 @@ class SlotAllocator:
         if self.window_pool is None:
             return
         freed: list[torch.Tensor] = []
+        single: list[int] = []  # decode steps' rows: one tensor for all of them
         for req in requests:
             end = req.num_computed - self.window + 1
             if end <= req.window_released or req.window_buffer is None:
@@ -147,7 +148,7 @@ class SlotAllocator:
             if end - start == 1 and req.window_keep is None:  # a decode step: one row, no tensor ops
                 slot = int(req.window_buffer[start])
                 if slot >= 0:
-                    freed.append(torch.tensor([slot]))
+                    single.append(slot)
                     req.window_buffer[start] = -1
                 continue
             rows = req.window_buffer[start:end]
@@ -156,6 +157,8 @@ class SlotAllocator:
                 drop &= ~req.window_keep[start:end]
             freed.append(rows[drop].clone())
             rows[drop] = -1
+        if single:
+            freed.append(torch.tensor(single, dtype=torch.int64))
         if freed:
             self.window_pool.free(torch.cat(freed))
 

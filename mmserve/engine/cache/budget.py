@@ -53,13 +53,6 @@ def kv_layers_by_pool(specs: tuple[LayerSpec, ...]) -> tuple[frozenset[int], fro
     return frozenset(range(len(specs))) - windowed, windowed
 
 
-def build_kv_pool(cfg: EngineConfig, model: ModelConfig, specs: tuple[LayerSpec, ...]) -> KVPool:
-    """The KV pool alone (a model without sliding-window layers); see `build_kv_pools`."""
-    pool, window_pool = build_kv_pools(cfg, model, specs)
-    assert window_pool is None, "a model with sliding-window layers has two KV pools"
-    return pool
-
-
 def build_kv_pools(
     cfg: EngineConfig, model: ModelConfig, specs: tuple[LayerSpec, ...]
 ) -> tuple[KVPool, KVPool | None]:

@@ -8,7 +8,7 @@ that layer's views. `k_cache[layer]` / `v_cache[layer]` are indexed by the decod
 `module.layer_idx`), None where the layer has no rows.
 
 A pool may hold only some of the layers (`layers`): a model with sliding-window layers keeps them in a pool of
-their own, whose rows are freed once behind every window that could read them (mmserve.engine.cache.windows),
+their own, whose rows are freed once behind every window that could read them (mmserve.engine.slots),
 beside the pool of its full-attention layers, which keeps every token's rows.
 
 Slots are shared (by the prefix cache and any number of requests) through reference counts: `alloc` hands out
@@ -97,11 +97,7 @@ class KVPool:
             for j, layer in enumerate(group.layers):
                 self.k_cache[layer], self.v_cache[layer] = view[0, j], view[1, j]
         for i, spec in enumerate(self.specs):
-            if (
-                isinstance(spec, AttentionSpec)
-                and spec.kv_source is not None
-                and (layers is None or i in layers)
-            ):
+            if isinstance(spec, AttentionSpec) and spec.kv_source is not None and (layers is None or i in layers):
                 self.k_cache[i], self.v_cache[i] = self.k_cache[spec.kv_source], self.v_cache[spec.kv_source]
         self._refcount = torch.zeros(num_slots, dtype=torch.int64)
         # A stack: reversed so that a fresh pool hands out slots 0, 1, 2, ... (easier to read in tests).
@@ -109,13 +105,7 @@ class KVPool:
 
     @classmethod
     def uniform(
-        cls,
-        num_slots: int,
-        num_layers: int,
-        num_kv_heads: int,
-        head_dim: int,
-        dtype: torch.dtype,
-        device="cpu",
+        cls, num_slots: int, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device="cpu"
     ) -> KVPool:
         return cls(num_slots, uniform_specs(num_layers, num_kv_heads, head_dim), dtype, device)
 

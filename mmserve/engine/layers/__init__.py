@@ -50,9 +50,9 @@ def check_runnable(specs: tuple[LayerSpec, ...]) -> None:
             "mmserve's engine runs one or the other"
         )
     for i, spec in attention.items():
-        source = attention.get(spec.kv_source) if spec.kv_source is not None else None
         if spec.kv_source is None:
             continue
+        source = attention.get(spec.kv_source)
         if (
             source is None
             or spec.kv_source >= i
