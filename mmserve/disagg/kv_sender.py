@@ -171,16 +171,8 @@ class _Peer:
             order = ranks.tolist()
         state = rows > 0 and cache.state_slot is not None
         reserve = k.Reserve(
-            k.KV_PROTOCOL_VERSION,
-            room,
-            rows,
-            total,
-            self.sender.layout,
-            backend,
-            time.time(),
-            state=state,
-            order=order,
-            window_rows=window_rows,
+            k.KV_PROTOCOL_VERSION, room, rows, total, self.sender.layout, backend, time.time(), state=state,
+            order=order, window_rows=window_rows,
         )
         self._send(sock, reserve)
         reply = self._reply(sock, job, "reservation")

@@ -119,24 +119,18 @@ async def serve_async(server_cfg: ServerConfig, engine_cfg: EngineConfig) -> int
         text_side = asyncio.create_task(asyncio.to_thread(_load_text_side, engine_cfg))
         ready = await client.wait_ready(server_cfg.engine_start_timeout_s)
         tokenizer, family, api = await text_side
-        kv_mb = ready.kv_cache_bytes / 2**20
-        print(
-            f"mmserve: engine ready: KV cache {ready.kv_cache_tokens} tokens ({kv_mb:.1f} MB, "
+        caches = [
+            f"KV cache {ready.kv_cache_tokens} tokens ({ready.kv_cache_bytes / 2**20:.1f} MB, "
             f"{ready.kv_bytes_per_token} bytes/token)"
-            + (
-                f", state cache {ready.state_slots} request states ({ready.state_cache_bytes / 2**20:.1f} MB)"
-                if ready.state_slots
-                else ""
-            )
-            + (
-                f", sliding-window cache {ready.window_rows} rows ({ready.window_cache_bytes / 2**20:.1f} MB, "
+        ]
+        if ready.state_slots:
+            caches.append(f"state cache {ready.state_slots} request states ({ready.state_cache_bytes / 2**20:.1f} MB)")
+        if ready.window_rows:
+            caches.append(
+                f"sliding-window cache {ready.window_rows} rows ({ready.window_cache_bytes / 2**20:.1f} MB, "
                 f"window {ready.window})"
-                if ready.window_rows
-                else ""
             )
-            + f", max model len {ready.max_model_len}",
-            flush=True,
-        )
+        print(f"mmserve: engine ready: {', '.join(caches)}, max model len {ready.max_model_len}", flush=True)
         logger.info(
             "model %s: dtype %s, device %s, max model len %d",
             *(engine_cfg.model, engine_cfg.dtype, engine_cfg.device, ready.max_model_len),
