@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from mmserve.engine.fused_layers import concat_linears
+from mmserve.engine.fused_layers import concat_linears, rotary_rows
 from mmserve.engine.layers.attention import AttentionMetadata, attend
 
 FUSABLE_GEMMA = ("Gemma3DecoderLayer",)
@@ -80,7 +80,7 @@ class FusedGemmaLayer(torch.nn.Module):
         q = self.norm(meta, "q", qkv[:, : heads * dim].view(t, heads, dim))  # (T, H, D), its own storage
         k = self.norm(meta, "k", qkv[:, heads * dim : (heads + kv_heads) * dim].view(t, kv_heads, dim))
         value = qkv[:, (heads + kv_heads) * dim :].view(t, kv_heads, dim)
-        cos, sin = self.rotary(meta, position_embeddings, q.dtype)
+        cos, sin = rotary_rows(meta, position_embeddings, q.dtype, self.layer_type)
         if meta.kernels is not None:
             meta.kernels.rope_(q, cos, sin)
             meta.kernels.rope_(k, cos, sin)
@@ -92,19 +92,3 @@ class FusedGemmaLayer(torch.nn.Module):
         gate_up = self.gate_up_proj(self.norm(meta, "pre_mlp", x))  # (T, 2 I)
         act = self.act_fn(gate_up[:, : self.intermediate]) * gate_up[:, self.intermediate :]
         return self.norm(meta, "post_mlp", self.down_proj(act), x)
-
-    def rotary(
-        self, meta: AttentionMetadata, position_embeddings, dtype
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """transformers' (cos, sin) of this layer's kind (1, T, D) as contiguous (T, D) rows with sin's first half
-        negated: built by the first layer of its kind in a step, kept on the step's metadata for the others."""
-        tables = meta.rotary_by_kind.get(self.layer_type)
-        if tables is None:
-            cos, sin = position_embeddings
-            half = sin.shape[-1] // 2
-            signed = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
-            tables = meta.rotary_by_kind[self.layer_type] = (
-                cos[0].to(dtype).contiguous(),
-                signed[0].to(dtype).contiguous(),
-            )
-        return tables

@@ -106,15 +106,19 @@ class FusedDecoderLayer(torch.nn.Module):
         return x + self.down_proj(act)
 
 
-def rotary_rows(meta: AttentionMetadata, position_embeddings, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def rotary_rows(
+    meta: AttentionMetadata, position_embeddings, dtype, kind: str | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """HF's (cos, sin), each (1, T, D), as contiguous (T, D) rows of `dtype` with sin's first half negated:
-    built by the first layer of a step and kept on the step's metadata for the others."""
-    if meta.rotary is None:
+    built by the first layer (of its `kind`, for models whose layer types rotate by their own bases) of a step
+    and kept on the step's metadata for the others."""
+    rows = meta.rotary.get(kind)
+    if rows is None:
         cos, sin = position_embeddings
         half = sin.shape[-1] // 2
         signed = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
-        meta.rotary = (cos[0].to(dtype).contiguous(), signed[0].to(dtype).contiguous())
-    return meta.rotary
+        rows = meta.rotary[kind] = (cos[0].to(dtype).contiguous(), signed[0].to(dtype).contiguous())
+    return rows
 
 
 class DecodeStack:

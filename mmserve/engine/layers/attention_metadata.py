@@ -130,10 +130,9 @@ class AttentionMetadata:
     view_of: list[int]  # per layer, its view (0 for layers that have no attention)
     writes: list[bool]  # per layer, whether it writes its K/V (False: it reads another layer's rows)
     num_rows: int = 0  # total packed query rows
-    # this step's RoPE rows, built by the first fused layer for the others (fused_layers.rotary_rows)
-    rotary: tuple[torch.Tensor, torch.Tensor] | None = None
-    # the same per layer type, for models whose layer types rotate by their own bases (fused_gemma)
-    rotary_by_kind: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    # this step's RoPE rows, built by the first fused layer for the others (fused_layers.rotary_rows), per layer
+    # type where the types rotate by their own bases (fused_gemma; None: the model's one kind)
+    rotary: dict[str | None, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     kernels: CpuKernels | None = None  # mmserve's CPU kernels when the engine runs them (cpu_kernels.py)
     state: StateMetadata | None = None  # hybrid models: the linear layers' state slots (layers/linear_state.py)
 
