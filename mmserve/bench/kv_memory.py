@@ -20,8 +20,8 @@ import tempfile
 from dataclasses import asdict, dataclass
 
 from mmserve.config import EngineConfig
+from mmserve.engine.cache.kv_pool import KVPool
 from mmserve.engine.engine import Engine
-from mmserve.models.layer_specs import AttentionSpec
 from mmserve.sampling_params import SamplingParams
 
 # Gemma 3 4B's attention: what its KV holds per token (the rest narrowed; see the module docstring).
@@ -47,11 +47,22 @@ class KvMemory:
     window: int
     all_rows_bytes: int  # every KV layer keeping every token's rows (no window pool)
     full_bytes: int  # the full-attention layers' rows: every token
+    row_bytes: int  # one window row (every sliding layer's K and V of one token)
     window_peak_rows: int  # window rows in use at most (during a prefill chunk's forward)
-    window_peak_bytes: int
     decode_rows: int  # window rows in use at most while decoding
     cache_window_rows: int  # window rows the prefix cache holds after the request
-    peak_bytes: int  # full + window peak
+
+    @property
+    def window_peak_bytes(self) -> int:
+        return self.window_peak_rows * self.row_bytes
+
+    @property
+    def decode_bytes(self) -> int:
+        return self.decode_rows * self.row_bytes
+
+    @property
+    def peak_bytes(self) -> int:  # full + window peak
+        return self.full_bytes + self.window_peak_bytes
 
     @property
     def ratio(self) -> float:
@@ -103,23 +114,17 @@ def measure(model: str, dtype: str, prompt_tokens: int, output_tokens: int, budg
     engine.runner.forward = counted
     while engine.has_work:
         engine.step()
-    peak = seen["peak"]
-    specs = engine.family.layer_specs
-    row = engine.window_pool.token_bytes
-    every = sum(2 * s.num_kv_heads * s.head_dim for s in specs if isinstance(s, AttentionSpec) and s.has_kv)
-    every *= engine.pool.dtype.itemsize
-    full = total * engine.pool.token_bytes
+    every = KVPool.bytes_per_token(engine.family.layer_specs, engine.pool.dtype)  # all layers' rows, one pool
     return KvMemory(
         prompt_tokens,
         output_tokens,
         engine.window,
-        total * every,
-        full,
-        peak,
-        peak * row,
-        seen["decode"],
-        engine.scheduler.prefix_cache.window_rows,
-        full + peak * row,
+        all_rows_bytes=total * every,
+        full_bytes=total * engine.pool.token_bytes,
+        row_bytes=rows.token_bytes,
+        window_peak_rows=seen["peak"],
+        decode_rows=seen["decode"],
+        cache_window_rows=engine.scheduler.prefix_cache.window_rows,
     )
 
 
@@ -142,11 +147,12 @@ def report(m: KvMemory, dtype: str) -> str:
             f"  full-attention layers (every token):   {m.full_bytes / mib:8.1f} MiB",
             f"  sliding layers (rows held, at most):   {m.window_peak_bytes / mib:8.1f} MiB ({m.window_peak_rows} rows)",
             f"  held at most:                          {m.peak_bytes / mib:8.1f} MiB ({m.ratio:.2f}x less)",
-            f"  sliding layers while decoding:         {m.decode_rows * m.window_peak_bytes / max(m.window_peak_rows, 1) / mib:8.1f} MiB ({m.decode_rows} rows)",
+            f"  sliding layers while decoding:         {m.decode_bytes / mib:8.1f} MiB ({m.decode_rows} rows)",
             f"  window rows the prefix cache keeps afterwards: {m.cache_window_rows}",
         ]
     )
 
 
 def as_json(m: KvMemory) -> dict:
-    return {**asdict(m), "ratio": m.ratio}
+    derived = ("window_peak_bytes", "decode_bytes", "peak_bytes", "ratio")
+    return {**asdict(m), **{name: getattr(m, name) for name in derived}}
