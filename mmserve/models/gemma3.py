@@ -61,9 +61,8 @@ IMAGE_SETTINGS = (
     "image_mean",
     "image_std",
 )
-BOTH_WAYS = frozenset(
-    {"full_attention", "sliding_attention"}
-)  # transformers' token_type_ids mask: every layer
+# transformers' token_type_ids mask: an image's tokens see each other both ways on every layer
+BOTH_WAYS = frozenset({"full_attention", "sliding_attention"})
 
 
 class ImageMeta(msgspec.Struct, frozen=True, array_like=True):
