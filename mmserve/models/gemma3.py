@@ -127,7 +127,7 @@ class Family(CausalLM):
     # -- processor ------------------------------------------------------------------------------------
     @cached_property
     def image_processor(self):
-        """transformers' PIL processor of the checkpoint, built on first use (pan-and-scan settings go with each call)."""
+        """transformers' PIL processor of the checkpoint, built on first use (pan-and-scan goes with each call)."""
         from transformers import Gemma3ImageProcessorPil
 
         return Gemma3ImageProcessorPil.from_pretrained(self.path)
