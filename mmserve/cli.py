@@ -85,8 +85,18 @@ def _make_tiny_model(args: argparse.Namespace) -> int:
     from mmserve.testing.tiny_models import build_tiny_model
 
     start = time.perf_counter()
-    build_tiny_model(args.out, arch=args.arch, size=args.size, seed=args.seed)
-    print(f"wrote {args.size} {args.arch} model to {args.out} in {time.perf_counter() - start:.1f}s")
+    if args.quantization is None:
+        build_tiny_model(args.out, arch=args.arch, size=args.size, seed=args.seed)
+    else:  # the plain checkpoint beside it, then its quantized form (with the dense oracle in reference/)
+        import tempfile
+
+        from mmserve.testing.kit_quant import quantize_checkpoint
+
+        with tempfile.TemporaryDirectory() as plain:
+            build_tiny_model(plain, arch=args.arch, size=args.size, seed=args.seed)
+            quantize_checkpoint(plain, args.out, args.quantization, seed=args.seed)
+    what = f"{args.size} {args.arch}" + (f" ({args.quantization})" if args.quantization else "")
+    print(f"wrote {what} model to {args.out} in {time.perf_counter() - start:.1f}s")
     return 0
 
 
@@ -167,6 +177,7 @@ def _encoder(args: argparse.Namespace) -> int:
         pack_weights=not args.disable_weight_packing,
         cpu_kernels=not args.disable_cpu_kernels,
         fp32_gemm=args.fp32_gemm,
+        quantization=args.quantization,
         register_urls=tuple(args.register_url or ()),
         register_interval_s=args.register_interval_s,
         shm_pool_mb=args.shm_pool_mb,
@@ -302,6 +313,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_encoder_args(p: argparse.ArgumentParser) -> None:
+    from mmserve.config import QUANTIZATIONS
+
     add_model_arg(p)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=9000)
@@ -323,6 +336,13 @@ def add_encoder_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="run the Qwen-VL towers' vision RoPE as PyTorch ops (default on a CPU: mmserve's kernel, the same bits)",
     )
+    p.add_argument(
+        "--quantization",
+        choices=QUANTIZATIONS,
+        default=None,
+        help="quantize the tower's linear layers on load, weight-only (int8 per channel, int4 per group of 128); "
+        "a tower is compute-bound, so this saves memory, not time",
+    )
     p.add_argument("--register-url", nargs="*", default=None, help="language servers to register with")
     p.add_argument("--register-interval-s", type=float, default=5.0, help="registration heartbeat period")
     p.add_argument("--advertise-url", default=None, help="URL servers use to reach this encoder")
@@ -336,6 +356,7 @@ def add_encoder_args(p: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     from mmserve.models.family import FAMILIES
+    from mmserve.testing.kit_quant import FORMATS as KIT_FORMATS
 
     parser = ArgumentParser(prog="mmserve", description="Multimodal LLM serving with EPD disaggregation")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -345,6 +366,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--size", choices=["tiny", "small"], default="tiny")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--quantization",
+        choices=KIT_FORMATS,
+        default=None,
+        help="write the checkpoint quantized in a published format (the language model's linear layers; "
+        "compressed-tensors ones by that library), with its dense oracle in OUT/reference",
+    )
     p.set_defaults(func=_make_tiny_model)
 
     p = sub.add_parser("serve", help="OpenAI-compatible server (API process + engine process)")

@@ -90,6 +90,9 @@ def engine_config_from_args(args: argparse.Namespace):
         fp32_gemm=args.fp32_gemm,
         fuse_layers=not args.disable_layer_fusion,
         cpu_kernels=not args.disable_cpu_kernels,
+        quantization=args.quantization,
+        quantize_lm_head=not args.keep_lm_head_unquantized,
+        quantize_tower=args.quantize_tower,
         embedding_cache_mb=args.embedding_cache_mb,
         mm_processor_kwargs=tuple(_json_arg(args.mm_processor_kwargs, "--mm-processor-kwargs").items()),
         media=media_config_from_args(args),
@@ -275,6 +278,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "PyTorch ops (default on a CPU: "
         "mmserve's kernels, built once per machine with g++; decode attention reads K/V in place in the pool)",
     )
+    add_quantization_args(p)
     p.add_argument("--embedding-cache-mb", type=float, default=512)
     p.add_argument(
         "--max-prompt-tokens",
@@ -289,6 +293,29 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="per-request limit on model-input pixels over all images and video frames",
     )
     add_media_args(p)
+
+
+def add_quantization_args(p: argparse.ArgumentParser) -> None:
+    from mmserve.config import QUANTIZATIONS
+
+    p.add_argument(
+        "--quantization",
+        choices=QUANTIZATIONS,
+        default=None,
+        help="quantize a bf16/fp32 checkpoint's language model on load, weight-only: int8 (per channel) or int4 "
+        "(per group of 128, with zero points); a checkpoint that is already quantized (AWQ, GPTQ, FP8, "
+        "compressed-tensors) loads as it is without this flag",
+    )
+    p.add_argument(
+        "--keep-lm-head-unquantized",
+        action="store_true",
+        help="with --quantization: leave lm_head in the model dtype (default: quantized too)",
+    )
+    p.add_argument(
+        "--quantize-tower",
+        action="store_true",
+        help="with --quantization: the vision/audio tower's linear layers too (spawned encoder workers too)",
+    )
 
 
 def add_fp32_gemm_arg(p: argparse.ArgumentParser) -> None:

@@ -14,6 +14,14 @@ from dataclasses import asdict, dataclass, field
 FP32_GEMMS = ("auto", "mkl", "onednn")
 
 
+QUANTIZATIONS = ("int8", "int4")
+
+
+def check_quantization(value: str | None) -> None:
+    if value is not None and value not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, not {value!r}")
+
+
 def check_fp32_gemm(value: str) -> None:
     if value not in FP32_GEMMS:
         raise ValueError(f"fp32_gemm must be one of {', '.join(FP32_GEMMS)}, not {value!r}")
@@ -161,6 +169,10 @@ class EngineConfig:
     fuse_layers: bool = True
     # On a CPU: norms, RoPE and decode attention in mmserve's own kernels (mmserve.engine.cpu_kernels)
     cpu_kernels: bool = True
+    # Weight-only quantization on load of a bf16/fp32 checkpoint (mmserve.quant.quantize): None, int8 or int4
+    quantization: str | None = None
+    quantize_lm_head: bool = True  # with `quantization`: lm_head too (False keeps it in the model dtype)
+    quantize_tower: bool = False  # with `quantization`: the local tower's linear layers too
     embedding_cache_mb: float = 512.0
     mm_processor_kwargs: tuple[tuple[str, object], ...] = ()
     media: MediaConfig = MediaConfig()
@@ -184,6 +196,7 @@ class EngineConfig:
         if self.disaggregation_mode not in ("null", "prefill", "decode"):
             raise ValueError("disaggregation_mode must be null, prefill or decode")
         check_fp32_gemm(self.fp32_gemm)
+        check_quantization(self.quantization)
         if self.kv_transfer_timeout_s <= 0:
             raise ValueError("kv_transfer_timeout_s must be > 0")
         if self.max_num_batched_tokens < 1:
@@ -284,6 +297,7 @@ class EncoderConfig:
     pack_weights: bool = True  # bf16/fp16 on a CPU: the tower's linear weights in oneDNN's layout
     cpu_kernels: bool = True  # on a CPU: the Qwen-VL towers' vision RoPE in mmserve's kernel
     fp32_gemm: str = "auto"  # fp32 on a CPU: "mkl", "onednn" (packed), or auto (mmserve.engine.packed_linear)
+    quantization: str | None = None  # the tower's linear layers quantized on load (int8 / int4), weight-only
     send_timeout_s: float = 5.0  # pushing a part to an engine
     shm_pool_mb: float = 256.0  # shared-memory pool per engine this encoder sends to (shm://)
     mooncake_pool_mb: float = 256.0  # staging pool registered with Mooncake's transfer engine (mooncake://)
@@ -297,6 +311,7 @@ class EncoderConfig:
 
     def __post_init__(self) -> None:
         check_fp32_gemm(self.fp32_gemm)
+        check_quantization(self.quantization)
 
     @property
     def url(self) -> str:

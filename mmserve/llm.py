@@ -99,6 +99,7 @@ class LLM:
                 pack_weights=cfg.pack_weights,
                 fp32_gemm=cfg.fp32_gemm,
                 cpu_kernels=cfg.cpu_kernels,
+                quantization=cfg.quantization if cfg.quantize_tower else None,
             )
         )
         self.tokenizer = load_tokenizer(cfg.model)

@@ -33,6 +33,8 @@ from mmserve.multimodal.cache import EmbeddingCache
 from mmserve.multimodal.errors import MediaError, UnsupportedMediaError
 from mmserve.multimodal.items import MAIN, ItemEmbedding, Modality, content_hash
 from mmserve.multimodal.media import MediaRef, decode_audio, decode_image, decode_video, load_bytes
+from mmserve.quant.linear import attach_kernels
+from mmserve.quant.quantize import quantize_linears
 from mmserve.transport.cluster_auth import ClusterSecret
 
 TOWER_TIMEOUT_S = 300.0
@@ -194,6 +196,7 @@ def build_encoder(
     pack_weights: bool = True,
     fp32_gemm: str = "auto",
     cpu_kernels: bool = True,
+    quantization: str | None = None,
 ) -> MultimodalEncoder:
     """Load the family's tower (no language-model weights) and wrap it in a batcher, a cache and media
     handling; with `store_cfg`, a global embedding store tier too (entries of the checkpoint in
@@ -201,13 +204,17 @@ def build_encoder(
     `pack_weights`, a bf16/fp16 tower on a CPU has its linear weights packed, an fp32 one where `fp32_gemm` says
     (mmserve.engine.packed_linear). A 16-bit tower runs its patch convolutions as GEMMs (encoder.patch_linear);
     with `cpu_kernels`, a tower on a CPU runs its Qwen-VL vision RoPE (encoder.vision_attention) and, in bf16, its
-    activations (encoder.activation_table) in mmserve's kernels."""
+    activations (encoder.activation_table) in mmserve's kernels. With `quantization` (int8 / int4), the tower's
+    linear layers are quantized on load, weight-only (mmserve.quant.quantize)."""
     torch_dtype, torch_device = parse_dtype(dtype), torch.device(device)
     tower = family.load_tower(torch_dtype).to(torch_device)
     linearize_patch_convs(tower, torch_dtype)  # before packing: its linear layers are packed too
     kernels = kernels_for(torch_device, torch_dtype, cpu_kernels)
     fuse_vision_attention(tower, kernels)
     tabulate_activations(tower, torch_dtype, kernels)
+    if quantization is not None:
+        quantize_linears(tower, quantization, torch_dtype)
+    attach_kernels(tower, kernels)  # a checkpoint's own quantized tower layers, or those just made
     if pack_weights and can_pack(torch_dtype, torch_device, fp32_gemm):
         pack_linears(tower)
 
@@ -220,6 +227,8 @@ def build_encoder(
         if model_path is None:
             raise ValueError("an embedding store needs the model path (its entries are keyed by checkpoint)")
         tower_dtype = str(next(tower.parameters()).dtype)
+        if quantization is not None:  # other embeddings than the unquantized tower's: other store entries
+            tower_dtype += f"+{quantization}"
         widths = {MAIN: family.hidden_size, **family.extra_dims}
         fingerprint = model_fingerprint(model_path, family.model_type, tower_dtype, widths)
         store = EmbeddingStore(store_cfg, fingerprint, secret, check_item=family.check_item)

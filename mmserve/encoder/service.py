@@ -90,6 +90,7 @@ class EncoderService:
             pack_weights=cfg.pack_weights,
             fp32_gemm=cfg.fp32_gemm,
             cpu_kernels=cfg.cpu_kernels,
+            quantization=cfg.quantization,
         )
         self.batcher, self.cache = self.encoder.batcher, self.encoder.cache
         transfer = TransferConfig(cfg.send_timeout_s, cfg.shm_pool_mb, cfg.mooncake_pool_mb, cfg.host)

@@ -37,6 +37,7 @@ SOURCES = [
     CSRC / "vision_ops.cpp",
     CSRC / "linear_state.cpp",
     CSRC / "gemma_ops.cpp",
+    CSRC / "quant_linear.cpp",
 ]
 HEADERS = sorted(CSRC.glob("*.h"))  # torch keys its build on sources and flags only
 # -O3 and the host's vector ISA (the library is built on the machine that runs it); no fused multiply-add
@@ -69,6 +70,8 @@ class CpuKernels:
         self.bf16_lookup = ops.bf16_lookup
         self.gated_delta_step_ = ops.gated_delta_step_
         self.gemma_rms_norm = ops.gemma_rms_norm
+        self.quant_linear = ops.quant_linear
+        self.dequantize_weight = ops.dequantize_weight
 
 
 def library_name() -> str:

@@ -63,6 +63,8 @@ class Engine:
             cfg.fuse_layers,
             cfg.cpu_kernels,
             cfg.fp32_gemm,
+            cfg.quantization,
+            cfg.quantize_lm_head,
         )
         specs = self.family.layer_specs
         self.pool, self.window_pool = build_kv_pools(cfg, self.model_config, specs)

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from mmserve.engine.layers.attention import AttentionMetadata, attend
 from mmserve.engine.packed_linear import PackedLinear
 from mmserve.models.layer_specs import AttentionSpec
+from mmserve.quant.linear import QuantLinear, StackedLinear, concat_quantized
 
 # HF decoder layers of exactly this shape: pre-norm RMSNorm, q/k/v with bias, no q/k norm, a SiLU-gated MLP.
 FUSABLE_LAYERS = ("Qwen2DecoderLayer", "Qwen2VLDecoderLayer", "Qwen2_5_VLDecoderLayer")
@@ -39,9 +40,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * x.to(dtype)
 
 
-def concat_linears(linears: list[torch.nn.Linear]) -> torch.nn.Linear:
+def concat_linears(linears: list[torch.nn.Module]) -> torch.nn.Module:
     """One Linear whose output is the given layers' outputs side by side. Built on the meta device and given
-    the concatenated weights: no random init or throw-away allocation (seconds a layer for a 7B model's MLP)."""
+    the concatenated weights: no random init or throw-away allocation (seconds a layer for a 7B model's MLP).
+    Layers of a quantized checkpoint concatenate their codes (mmserve.quant.linear), or stay apart in one
+    StackedLinear where their codes cannot share a layer."""
+    if any(isinstance(m, QuantLinear) for m in linears):
+        fused = concat_quantized(linears) if all(isinstance(m, QuantLinear) for m in linears) else None
+        return fused if fused is not None else StackedLinear(linears)
     first = linears[0]
     bias = first.bias is not None
     width = sum(m.out_features for m in linears)

@@ -29,6 +29,8 @@ from mmserve.engine.request import Request
 from mmserve.models.family import ModelFamily
 from mmserve.models.loader import parse_dtype
 from mmserve.multimodal.embedding import ChunkExtras, splice_chunk
+from mmserve.quant.linear import attach_kernels, has_quantized
+from mmserve.quant.quantize import quantize_head, quantize_linears
 
 
 @dataclass
@@ -67,6 +69,8 @@ class ModelRunner:
         fuse_layers: bool = True,
         cpu_kernels: bool = True,
         fp32_gemm: str = "auto",
+        quantization: str | None = None,
+        quantize_lm_head: bool = True,
     ) -> None:
         check_runnable(family.layer_specs)  # a layer kind the engine cannot run is refused, never approximated
         lm = family.load_language_model(parse_dtype(dtype), register_attention())
@@ -79,14 +83,26 @@ class ModelRunner:
         self.lm_head = lm.lm_head.to(self.device)
         self.linear_layers = wrap_linear_layers(self.language_model, family.layer_specs)
         self.fused_layers = fuse_decoder_layers(self.language_model, family.layer_specs) if fuse_layers else 0
+        if quantization is not None:  # weight-only, after fusion: q/k/v and gate/up quantize as one layer each
+            if has_quantized(self.language_model):
+                raise ValueError(
+                    f"{model_config.model_path}: the checkpoint is already quantized; --quantization {quantization} "
+                    "applies to bf16/fp32 checkpoints"
+                )
+            quantize_linears(self.language_model, quantization, self.dtype)
+            if quantize_lm_head:
+                self.lm_head = quantize_head(self.lm_head, quantization, self.dtype)
         self.kernels = kernels_for(self.device, self.dtype, cpu_kernels)  # None: the eager ops
+        self.quantized = attach_kernels(self.language_model, self.kernels) + attach_kernels(self.lm_head, self.kernels)
         self.packed = pack_weights and can_pack(self.dtype, self.device, fp32_gemm)
         if self.packed:  # oneDNN's layout once, not on every call (bf16: bitwise the same outputs)
             pack_linears(self.language_model)
-            self.lm_head = PackedLinear(self.lm_head)
+            if type(self.lm_head) is torch.nn.Linear:
+                self.lm_head = PackedLinear(self.lm_head)
         # Pure decode steps run every layer in one op when all are fused, over the weights in their final form.
         layers = getattr(self.language_model, "layers", [])
         all_qwen2 = bool(layers) and all(isinstance(m, FusedDecoderLayer) for m in layers)
+        all_qwen2 = all_qwen2 and not has_quantized(self.language_model)
         fused_kernels = all_qwen2 and self.kernels is not None
         self.decode_stack = DecodeStack(self.language_model, self.kernels) if fused_kernels else None
         self.attention = AttentionPlan(family.layer_specs)

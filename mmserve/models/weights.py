@@ -16,6 +16,8 @@ from collections.abc import Iterator, Sequence
 import torch
 from safetensors import safe_open
 
+from mmserve.quant.checkpoint import QuantizedTensors
+
 
 def checkpoint_files(path: str) -> list[str]:
     index = os.path.join(path, "model.safetensors.index.json")
@@ -133,11 +135,14 @@ def load_parts(
     expected = model.state_dict()
     prefixes = tuple(p + "." for p in parts)
     files = [safe_open(f, framework="pt") for f in checkpoint_files(path)]
+    rename = lambda key: rename_source_key(key, renamings, converters, model.base_model_prefix, expected)[0]  # noqa: E731
+    quantized = QuantizedTensors.of(hf_config, files, rename, prefixes)
     state = {}
     for f in files:
         for key in f.keys():
-            target, _ = rename_source_key(key, renamings, converters, model.base_model_prefix, expected)
-            if target.startswith(prefixes):
+            if key in quantized.keys:
+                continue
+            if rename(key).startswith(prefixes):
                 state[key] = f.get_slice(key)
     load_config = LoadStateDictConfig(pretrained_model_name_or_path=path, dtype=dtype, weight_mapping=conversions)
     info, _ = convert_and_load_state_dict_in_model(model, state, load_config)
@@ -150,7 +155,7 @@ def load_parts(
         problems.append(f"conversion errors {dict(list(info.conversion_errors.items())[:3])}")
     if problems:
         raise ValueError(f"{path}: checkpoint does not match {cls.__name__}: " + "; ".join(problems))
-    missing = {k for k in info.missing_keys if k.startswith(prefixes)}
+    missing = {k for k in info.missing_keys if k.startswith(prefixes)} - quantized.install(model, dtype)
     return model, missing
 
 

@@ -66,6 +66,7 @@ class EngineLoop:
                 pack_weights=cfg.pack_weights,
                 fp32_gemm=cfg.fp32_gemm,
                 cpu_kernels=cfg.cpu_kernels,
+                quantization=cfg.quantization if cfg.quantize_tower else None,
             )
         )
         transfer = TransferConfig(mooncake_pool_mb=cfg.mooncake_pool_mb, host=cfg.embedding_host)

@@ -53,6 +53,8 @@ def encoder_command(engine_cfg: EngineConfig, port: int, log_level: str) -> list
         cmd.append("--disable-weight-packing")
     if not engine_cfg.cpu_kernels:
         cmd.append("--disable-cpu-kernels")
+    if engine_cfg.quantization is not None and engine_cfg.quantize_tower:
+        cmd += ["--quantization", engine_cfg.quantization]
     if media.allowed_local_media_path:
         cmd += ["--allowed-local-media-path", media.allowed_local_media_path]
     if media.allowed_media_domains:

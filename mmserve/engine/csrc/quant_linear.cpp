@@ -1,0 +1,356 @@
+// Linear layers over quantized weights (mmserve/quant/linear.py): y = x W^T + b with W stored as int8, int4 or
+// fp8 codes and fp32 scales per (output row, group of `group` inputs), optional integer zero points.
+//
+// A decode step streams every weight once, so its time is the weights' bytes over DRAM bandwidth: int8 halves
+// them against bf16, int4 quarters them (plus scales). That only turns into time if the codes are expanded in
+// registers on the way to the multiply, never into a full-size weight in memory. Each thread takes a range of
+// output rows; for each it expands the row's codes into an L1-resident buffer of the activations' dtype, one
+// pass over the codes (a 16-entry table per group for int4, the one lookup a nibble needs), and dots every
+// input row with it (AVX512-BF16 `vdpbf16ps` for bf16, FMA for fp32). The expanded values are the reference's
+// dequantized weights exactly, `(q - z) * s` in fp32 (then rounded to bf16 for bf16 inputs), so only the order
+// of the sums differs from a GEMM over the dequantized weights. Many rows (prefill) go the other way:
+// `dequantize_weight` expands the whole weight once, in parallel, and the caller's GEMM (oneDNN / AMX) runs it.
+//
+// Codes (mmserve's layout, built by mmserve/quant/layout.py from every supported checkpoint format):
+//   kind 0, int8: int8 (N, K), value q (- z);  kind 2, fp8: e4m3 bytes (N, K), value fp8(q);
+//   kind 1, int4: uint8 (N, K/2); in each run of 32 inputs, byte j holds input j in its low nibble and input
+//   j + 16 in its high nibble (one 16-byte load gives the run's two halves of 16 in order), value q - z.
+#include <torch/library.h>
+
+#include "cpu_common.h"
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+#define MMSERVE_QUANT_SIMD 1
+#endif
+
+namespace {
+
+using namespace mmserve_cpu_ops;
+
+constexpr int64_t kInt8 = 0, kInt4 = 1, kFp8 = 2;
+
+// e4m3 (bias 7) as a float: its exponent and mantissa bits placed in a float's fields give 2^-120 of the value
+// (a subnormal code becomes a float subnormal, still exact), and the sign goes to the top bit.
+inline float fp8_value(uint8_t b) {
+  const uint32_t bits = (static_cast<uint32_t>(b & 0x80) << 24) | (static_cast<uint32_t>(b & 0x7f) << 20);
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f * 0x1p120f;
+}
+
+struct Codes {
+  const uint8_t* data;  // row-major codes of the whole weight
+  const float* scales;  // (N, K / group)
+  const int8_t* zeros;  // (N, K / group) or null
+  int64_t k, group, kind;
+
+  int64_t row_bytes() const { return kind == kInt4 ? k / 2 : k; }
+
+  // Row n's dequantized weights (K floats), scalar: the reference the vector paths equal, and their tail.
+  void row_scalar(int64_t n, float* out) const {
+    const uint8_t* row = data + n * row_bytes();
+    const int64_t groups = k / group;
+    for (int64_t i = 0; i < k; ++i) {
+      const int64_t g = i / group;
+      const float z = zeros ? static_cast<float>(zeros[n * groups + g]) : 0.f;
+      const float s = scales[n * groups + g];
+      float q;
+      if (kind == kInt8) {
+        q = static_cast<float>(static_cast<int8_t>(row[i]));
+      } else if (kind == kInt4) {
+        const int64_t base = (i / 32) * 16, j = i % 32;
+        q = static_cast<float>(j < 16 ? row[base + j] & 0x0f : row[base + j - 16] >> 4);
+      } else {
+        out[i] = fp8_value(row[i]) * s;
+        continue;
+      }
+      out[i] = (q - z) * s;
+    }
+  }
+};
+
+#ifdef MMSERVE_QUANT_SIMD
+// Row n's dequantized weights as 16-float vectors, 32 inputs at a time: fn(offset, first 16, next 16).
+template <typename Fn>
+inline void expand_row(const Codes& c, int64_t n, Fn&& fn) {
+  const uint8_t* row = c.data + n * c.row_bytes();
+  const int64_t groups = c.k / c.group;
+  const float* sc = c.scales + n * groups;
+  const int8_t* zp = c.zeros ? c.zeros + n * groups : nullptr;
+  for (int64_t g = 0; g < groups; ++g) {
+    const __m512 s = _mm512_set1_ps(sc[g]);
+    const __m512 z = _mm512_set1_ps(zp ? static_cast<float>(zp[g]) : 0.f);
+    const int64_t end = (g + 1) * c.group;
+    if (c.kind == kInt4) {  // the group's 16 possible values, looked up by nibble
+      const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+      const __m512 table = _mm512_mul_ps(_mm512_sub_ps(iota, z), s);
+      for (int64_t i = g * c.group; i < end; i += 32) {
+        const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + i / 2)));
+        const __m512i lo = _mm512_and_si512(b, _mm512_set1_epi32(0x0f));
+        const __m512i hi = _mm512_srli_epi32(b, 4);
+        fn(i, _mm512_permutexvar_ps(lo, table), _mm512_permutexvar_ps(hi, table));
+      }
+    } else {
+      for (int64_t i = g * c.group; i < end; i += 32) {
+        __m512 v[2];
+        for (int p = 0; p < 2; ++p) {
+          const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + i + 16 * p));
+          if (c.kind == kInt8) {
+            v[p] = _mm512_mul_ps(_mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)), z), s);
+          } else {  // fp8_value on 16 lanes, then the scale: one rounding, as the scalar path
+            const __m512i u = _mm512_cvtepu8_epi32(b);
+            const __m512i bits = _mm512_or_si512(_mm512_slli_epi32(_mm512_and_si512(u, _mm512_set1_epi32(0x80)), 24),
+                                                 _mm512_slli_epi32(_mm512_and_si512(u, _mm512_set1_epi32(0x7f)), 20));
+            v[p] = _mm512_mul_ps(_mm512_mul_ps(_mm512_castsi512_ps(bits), _mm512_set1_ps(0x1p120f)), s);
+          }
+        }
+        fn(i, v[0], v[1]);
+      }
+    }
+  }
+}
+
+// Row n dequantized into buf (K values of T).
+inline void expand_into(const Codes& c, int64_t n, float* buf) {
+  expand_row(c, n, [&](int64_t i, __m512 a, __m512 b) {
+    _mm512_storeu_ps(buf + i, a);
+    _mm512_storeu_ps(buf + i + 16, b);
+  });
+}
+inline void expand_into(const Codes& c, int64_t n, BFloat16* buf) {
+  expand_row(c, n, [&](int64_t i, __m512 a, __m512 b) {
+    _mm512_storeu_si512(buf + i, (__m512i)_mm512_cvtne2ps_pbh(b, a));  // low half from a: inputs in order
+  });
+}
+
+inline float dot(const float* x, const float* w, int64_t k) {
+  __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+  for (int64_t i = 0; i < k; i += 32)
+    for (int p = 0; p < 2; ++p)
+      acc[p] = _mm512_fmadd_ps(_mm512_loadu_ps(x + i + 16 * p), _mm512_loadu_ps(w + i + 16 * p), acc[p]);
+  return _mm512_reduce_add_ps(_mm512_add_ps(acc[0], acc[1]));
+}
+inline float dot(const BFloat16* x, const BFloat16* w, int64_t k) {
+  __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+  int64_t i = 0;
+  for (; i + 64 <= k; i += 64)
+    for (int p = 0; p < 2; ++p)
+      acc[p] = _mm512_dpbf16_ps(acc[p], (__m512bh)_mm512_loadu_si512(x + i + 32 * p),
+                                (__m512bh)_mm512_loadu_si512(w + i + 32 * p));
+  if (i < k)
+    acc[0] = _mm512_dpbf16_ps(acc[0], (__m512bh)_mm512_loadu_si512(x + i), (__m512bh)_mm512_loadu_si512(w + i));
+  return _mm512_reduce_add_ps(_mm512_add_ps(acc[0], acc[1]));
+}
+
+// The decode path for bf16 rows: codes expanded in registers straight into `vdpbf16ps`, no buffer, for up to
+// 8 rows at a time (each row's two accumulators stay in registers). int4: a 32-byte load is two runs of 32
+// inputs; widened to 16-bit lanes, its low nibbles are inputs [0, 16) and [32, 48) of the 64 and its high
+// nibbles [16, 32) and [48, 64), each looked up in the group's table of 16 bf16 values (bf16((q - z) * s), the
+// reference's weights) by `vpermw`. The rows of x are shuffled once per call into that lane order (`xs`), so
+// lane i of the weights meets lane i of x. int8: 64 codes widened to fp32, dequantized as expand_row does it,
+// rounded to bf16 in input order.
+constexpr int64_t kRowTile = 8;
+
+// x (M, K) in the int4 lane order: per 64 inputs, [0, 16) [32, 48) [16, 32) [48, 64).
+void shuffle_int4_rows(const BFloat16* x, BFloat16* xs, int64_t m, int64_t k) {
+  for (int64_t r = 0; r < m; ++r)
+    for (int64_t i = 0; i < k; i += 64)
+      for (int q = 0; q < 4; ++q) {
+        static constexpr int kFrom[4] = {0, 32, 16, 48};
+        std::memcpy(xs + r * k + i + 16 * q, x + r * k + i + kFrom[q], 16 * sizeof(BFloat16));
+      }
+}
+
+inline bool fast_bf16(const Codes& c) {
+  return c.kind != kFp8 && c.k % 64 == 0 && c.group % 64 == 0;
+}
+
+// y[r, n] for rows [0, M) of x (in the lane order of the codes' kind), one output row n. M is a template
+// argument so that the loops over rows unroll and the accumulators stay in registers.
+template <int M>
+inline void dot_rows(const Codes& c, int64_t n, const BFloat16* x, float* out) {
+  constexpr int m = M;
+  const uint8_t* row = c.data + n * c.row_bytes();
+  const int64_t groups = c.k / c.group;
+  const float* sc = c.scales + n * groups;
+  const int8_t* zp = c.zeros ? c.zeros + n * groups : nullptr;
+  __m512 acc[M][2];
+  for (int r = 0; r < m; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    const __m512 s = _mm512_set1_ps(sc[g]);
+    const __m512 z = _mm512_set1_ps(zp ? static_cast<float>(zp[g]) : 0.f);
+    const int64_t end = (g + 1) * c.group;
+    if (c.kind == kInt4) {
+      const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+      const __m512i table = _mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_sub_ps(iota, z), s)));
+      for (int64_t i = g * c.group; i < end; i += 64) {
+        const __m512i b = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + i / 2)));
+        const __m512bh lo = (__m512bh)_mm512_permutexvar_epi16(_mm512_and_si512(b, _mm512_set1_epi16(0x0f)), table);
+        const __m512bh hi = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(b, 4), table);
+        for (int r = 0; r < m; ++r) {
+          const BFloat16* xr = x + r * c.k + i;
+          acc[r][0] = _mm512_dpbf16_ps(acc[r][0], (__m512bh)_mm512_loadu_si512(xr), lo);
+          acc[r][1] = _mm512_dpbf16_ps(acc[r][1], (__m512bh)_mm512_loadu_si512(xr + 32), hi);
+        }
+      }
+    } else {
+      for (int64_t i = g * c.group; i < end; i += 64) {
+        __m512 v[4];
+        for (int p = 0; p < 4; ++p) {
+          const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + i + 16 * p));
+          v[p] = _mm512_mul_ps(_mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)), z), s);
+        }
+        const __m512bh lo = _mm512_cvtne2ps_pbh(v[1], v[0]), hi = _mm512_cvtne2ps_pbh(v[3], v[2]);
+        for (int r = 0; r < m; ++r) {
+          const BFloat16* xr = x + r * c.k + i;
+          acc[r][0] = _mm512_dpbf16_ps(acc[r][0], (__m512bh)_mm512_loadu_si512(xr), lo);
+          acc[r][1] = _mm512_dpbf16_ps(acc[r][1], (__m512bh)_mm512_loadu_si512(xr + 32), hi);
+        }
+      }
+    }
+  }
+  for (int r = 0; r < m; ++r) out[r] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]));
+}
+
+void quant_linear_bf16(const Codes& c, const BFloat16* x, int64_t m, int64_t n, const BFloat16* bias,
+                       BFloat16* y) {
+  std::vector<BFloat16> shuffled;
+  if (c.kind == kInt4) {
+    shuffled.resize(m * c.k);
+    shuffle_int4_rows(x, shuffled.data(), m, c.k);
+    x = shuffled.data();
+  }
+  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+    float out[kRowTile];
+    for (int64_t r0 = 0; r0 < m; r0 += kRowTile) {
+      const int64_t rows = std::min(kRowTile, m - r0);
+      for (int64_t j = begin; j < end; ++j) {
+        const BFloat16* xr = x + r0 * c.k;
+        switch (rows) {
+          case 1: dot_rows<1>(c, j, xr, out); break;
+          case 2: dot_rows<2>(c, j, xr, out); break;
+          case 3: dot_rows<3>(c, j, xr, out); break;
+          case 4: dot_rows<4>(c, j, xr, out); break;
+          case 5: dot_rows<5>(c, j, xr, out); break;
+          case 6: dot_rows<6>(c, j, xr, out); break;
+          case 7: dot_rows<7>(c, j, xr, out); break;
+          default: dot_rows<8>(c, j, xr, out); break;
+        }
+        const float b = bias ? static_cast<float>(bias[j]) : 0.f;
+        for (int64_t r = 0; r < rows; ++r) y[(r0 + r) * n + j] = static_cast<BFloat16>(out[r] + b);
+      }
+    }
+  });
+}
+#endif
+
+template <typename T>
+void expand_any(const Codes& c, int64_t n, T* buf, float* scratch) {
+#ifdef MMSERVE_QUANT_SIMD
+  if (c.k % 32 == 0 && c.group % 32 == 0) return expand_into(c, n, buf);
+#endif
+  c.row_scalar(n, scratch);
+  for (int64_t i = 0; i < c.k; ++i) buf[i] = from_f<T>(scratch[i]);
+}
+
+template <typename T>
+float dot_any(const T* x, const T* w, int64_t k) {
+#ifdef MMSERVE_QUANT_SIMD
+  if (k % 32 == 0) return dot(x, w, k);
+#endif
+  float sum = 0.f;
+  for (int64_t i = 0; i < k; ++i) sum += to_f(x[i]) * to_f(w[i]);
+  return sum;
+}
+
+Codes codes_of(const Tensor& data, const Tensor& scales, const std::optional<Tensor>& zeros, int64_t kind,
+               int64_t group, int64_t k) {
+  TORCH_CHECK(kind == kInt8 || kind == kInt4 || kind == kFp8, "quant_linear: kind 0 (int8), 1 (int4) or 2 (fp8)");
+  TORCH_CHECK(group > 0 && k % group == 0, "quant_linear: the group size must divide the input width");
+  TORCH_CHECK(kind != kInt4 || k % 32 == 0, "quant_linear: int4 codes need an input width that is a multiple of 32");
+  TORCH_CHECK(data.is_contiguous() && data.dim() == 2 && data.element_size() == 1, "quant_linear: codes (N, bytes)");
+  const int64_t n = data.size(0);
+  TORCH_CHECK(data.size(1) == (kind == kInt4 ? k / 2 : k), "quant_linear: codes do not match the input width");
+  TORCH_CHECK(scales.is_contiguous() && scales.scalar_type() == at::kFloat && scales.dim() == 2 &&
+                  scales.size(0) == n && scales.size(1) == k / group,
+              "quant_linear: scales (N, K / group) float32");
+  if (zeros.has_value()) {
+    TORCH_CHECK(zeros->is_contiguous() && zeros->scalar_type() == at::kChar && zeros->sizes() == scales.sizes(),
+                "quant_linear: zeros (N, K / group) int8");
+  }
+  return Codes{static_cast<const uint8_t*>(data.data_ptr()), scales.data_ptr<float>(),
+               zeros.has_value() ? zeros->data_ptr<int8_t>() : nullptr, k, group, kind};
+}
+
+// y (M, N) = x (M, K) W^T + bias, x float32 or bfloat16 rows, y in x's dtype.
+Tensor quant_linear(const Tensor& x, const Tensor& data, const Tensor& scales, const std::optional<Tensor>& zeros,
+                    int64_t kind, int64_t group, const std::optional<Tensor>& bias) {
+  check_rows(x, "x");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "quant_linear: x (M, K) contiguous");
+  const int64_t m = x.size(0), k = x.size(1);
+  const Codes c = codes_of(data, scales, zeros, kind, group, k);
+  const int64_t n = data.size(0);
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->is_contiguous() && bias->numel() == n && bias->scalar_type() == x.scalar_type(),
+                "quant_linear: bias (N,) of x's dtype");
+  }
+  Tensor y = at::empty({m, n}, x.options());
+#ifdef MMSERVE_QUANT_SIMD
+  if (x.scalar_type() == at::kBFloat16 && fast_bf16(c)) {
+    quant_linear_bf16(c, x.data_ptr<BFloat16>(), m, n, bias.has_value() ? bias->data_ptr<BFloat16>() : nullptr,
+                      y.data_ptr<BFloat16>());
+    return y;
+  }
+#endif
+  dispatch(x.scalar_type(), [&](auto tag) {
+    using T = decltype(tag);
+    const T* xp = x.data_ptr<T>();
+    const T* bp = bias.has_value() ? bias->data_ptr<T>() : nullptr;
+    T* yp = y.data_ptr<T>();
+    at::parallel_for(0, n, 8, [&](int64_t begin, int64_t end) {
+      std::vector<T> buf(k);
+      std::vector<float> scratch(k);
+      for (int64_t r = begin; r < end; ++r) {
+        expand_any(c, r, buf.data(), scratch.data());
+        const float b = bp ? to_f(bp[r]) : 0.f;
+        for (int64_t i = 0; i < m; ++i) yp[i * n + r] = from_f<T>(dot_any(xp + i * k, buf.data(), k) + b);
+      }
+    });
+  });
+  return y;
+}
+
+// The whole weight dequantized, (N, K) in `dtype` (float32 or bfloat16): for steps of many rows.
+Tensor dequantize_weight(const Tensor& data, const Tensor& scales, const std::optional<Tensor>& zeros, int64_t kind,
+                         int64_t group, int64_t k, at::ScalarType dtype) {
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "dequantize_weight: float32 or bfloat16");
+  const Codes c = codes_of(data, scales, zeros, kind, group, k);
+  const int64_t n = data.size(0);
+  Tensor w = at::empty({n, k}, data.options().dtype(dtype));
+  dispatch(dtype, [&](auto tag) {
+    using T = decltype(tag);
+    T* wp = w.data_ptr<T>();
+    at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+      std::vector<float> scratch(k);
+      for (int64_t r = begin; r < end; ++r) expand_any(c, r, wp + r * k, scratch.data());
+    });
+  });
+  return w;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(mmserve_cpu, m) {
+  m.def(
+      "quant_linear(Tensor x, Tensor data, Tensor scales, Tensor? zeros, int kind, int group, Tensor? bias) -> "
+      "Tensor");
+  m.def(
+      "dequantize_weight(Tensor data, Tensor scales, Tensor? zeros, int kind, int group, int k, ScalarType dtype) "
+      "-> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(mmserve_cpu, CPU, m) {
+  m.impl("quant_linear", &quant_linear);
+  m.impl("dequantize_weight", &dequantize_weight);
+}
