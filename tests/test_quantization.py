@@ -180,3 +180,18 @@ def test_read_format_refuses_what_it_does_not_run():
         )
     with pytest.raises(ValueError, match="weight_block_size"):
         read_format({"quant_method": "fp8", "fmt": "e4m3"})
+
+
+def test_cli_makes_a_quantized_tiny_model(tmp_path):
+    import subprocess
+    import sys
+
+    out = tmp_path / "awq"
+    argv = ["make-tiny-model", "--arch", "qwen2_vl", "--quantization", "awq", "--out", str(out)]
+    done = subprocess.run([sys.executable, "-m", "mmserve.cli", *argv], capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr
+    assert "(awq)" in done.stdout
+    config = json.load(open(out / "config.json"))
+    assert config["quantization_config"]["quant_method"] == "awq"
+    assert any(k.endswith("q_proj.qweight") for k in load_file(out / "model.safetensors"))
+    assert os.path.exists(out / "reference" / "model.safetensors")

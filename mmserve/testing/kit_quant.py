@@ -59,7 +59,7 @@ def quantize_checkpoint(src: str, out: str, fmt: str, seed: int = 0) -> str:
             quantized[key] = w
             continue
         layer = key.removesuffix(".weight")
-        tensors, dense[key] = WRITERS[fmt](w.float(), gen, group)
+        tensors, dense[key] = WRITERS[fmt](w.float(), _shared_order(key, seed) if fmt == "gptq" else gen, group)
         dense[key] = dense[key].to(w.dtype)
         quantized.update({f"{layer}.{name}": t for name, t in tensors.items()})
     save_file(quantized, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
@@ -71,6 +71,47 @@ def quantize_checkpoint(src: str, out: str, fmt: str, seed: int = 0) -> str:
     _copy_side_files(src, ref)
     save_file(dense, os.path.join(ref, "model.safetensors"), metadata={"format": "pt"})
     return out
+
+
+def dequantized_reference(
+    src: str, out: str, method: str, head: bool = True, tower: bool = False, dtype: str = "float32"
+) -> str:
+    """`src` with every weight `--quantization METHOD` quantizes replaced by its dequantized value: the language
+    model's linear layers, `lm_head` unless `head` is False (untied from the embedding it shared, which stays),
+    the tower's linear layers with `tower`. The oracle HF `generate` runs for quantize-on-load. The engine
+    quantizes the weights as loaded in its `dtype` (bf16: already rounded), so the reference does too."""
+    from transformers import AutoModelForMultimodalLM
+
+    from mmserve.quant.quantize import quantize_weight
+
+    model = AutoModelForMultimodalLM.from_pretrained(src, dtype=torch.float32)
+
+    def dequantize(layer: torch.nn.Linear) -> None:
+        q = quantize_weight(layer.weight.to(getattr(torch, dtype)), method)
+        if q is not None:
+            layer.weight = torch.nn.Parameter(q.dequantized(torch.float32), requires_grad=False)
+
+    for name, m in model.named_modules():
+        in_tower = any(w in name for w in TOWER_WORDS)
+        if type(m) is torch.nn.Linear and (is_lm_linear(name + ".weight") or (tower and in_tower)):
+            dequantize(m)
+    if head:
+        for cfg in (model.config, getattr(model.config, "text_config", None)):
+            if cfg is not None:
+                cfg.tie_word_embeddings = False  # the head gets its own (quantized) copy of a shared table
+        model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone(), requires_grad=False)
+        dequantize(model.lm_head)
+    model.save_pretrained(out)
+    _copy_missing(src, out)
+    return out
+
+
+def _shared_order(key: str, seed: int) -> torch.Generator:
+    """One generator per input a layer reads: GPTQ orders a layer's inputs by its Hessian, which q/k/v (and
+    gate/up) share, so their act-orders are one (`gptq`); `gptq-int8` draws one per layer instead, so that the
+    path for codes that cannot share a layer is exercised too."""
+    shared = key.replace("k_proj", "q_proj").replace("v_proj", "q_proj").replace("up_proj", "gate_proj")
+    return torch.Generator().manual_seed(seed + sum(shared.encode()) * 7919)
 
 
 def _copy_side_files(src: str, out: str) -> None:
