@@ -63,3 +63,23 @@ def test_bench_engine_without_the_profile_times_the_step_and_its_floor_only(tiny
     assert step["breakdown_ms"] == {}  # the profiler never ran
     *_, row = (line for line in done.stdout.splitlines() if line.startswith("| engine c=2 |"))  # the step table's
     assert row.endswith("| - | - | - | - | - |"), row
+
+
+def test_bench_engine_runs_quantized_engines_beside_the_plain_one(tiny_qwen2_vl, tmp_path):
+    out = tmp_path / "engine.json"
+    args = ["--concurrency", "2", "--num-requests", "2", "--hf-requests", "1", "--output-tokens", "8"]
+    args += ["--rounds", "1", "--image-size", "32x32", "--kv-cache-mb", "8", "--json", str(out)]
+    done = run_cli("bench", "engine", "--model", tiny_qwen2_vl, *args, "--quantization", "int8,int4")
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert set(result["summary"]) == {"hf", "engine c=2", "engine c=2 int8", "engine c=2 int4"}
+    assert result["parameters"]["quantization"] == ["int8", "int4"]
+    streamed = {
+        line.split(":")[0]: float(line.split(": ")[1].split()[0])
+        for line in done.stdout.splitlines()
+        if "MB of linear weights per decode step" in line
+    }
+    # fp32 here: int8 about a quarter of its bytes (plus a scale per row), int4 about an eighth (plus scales)
+    assert streamed["engine c=2 int4"] < streamed["engine c=2 int8"] < streamed["engine c=2"] / 3
+    step = result["rounds"]["engine c=2 int4"][0]["decode_step"]
+    assert step["gemm_floor_ms"] > 0 and step["breakdown_ms"]["gemm"] > 0

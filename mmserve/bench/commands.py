@@ -141,6 +141,7 @@ def _engine(args: argparse.Namespace) -> int:
     model = resolve_model_path(args.model)
     dtype = resolve_dtype(model, args.dtype)
     concurrencies = [int(c) for c in args.concurrency.split(",")]
+    quantizations = [q for q in (args.quantization or "").split(",") if q]
     results = engine_bench.run(
         model,
         concurrencies,
@@ -156,11 +157,13 @@ def _engine(args: argparse.Namespace) -> int:
         args.fp32_gemm,
         args.mkl_gemm,
         not args.no_profile,
+        tuple(quantizations),
     )
     print(engine_bench.report(results))
     print()
     print(engine_bench.step_report(results))
     parameters = {**vars(args), "model": model, "dtype": dtype, "concurrency": concurrencies}
+    parameters.update(quantization=quantizations)
     parameters.pop("func", None)
     _write_json(args.json, engine_bench.to_json(results, parameters))
     return 0
@@ -354,6 +357,12 @@ def add_bench_parser(sub) -> None:
         "--no-profile",
         action="store_true",
         help="no profiled breakdown of the decode step (step and floor only): the profiler holds every op's event",
+    )
+    p.add_argument(
+        "--quantization",
+        default=None,
+        help="comma-separated: also run each engine with its weights quantized on load (e.g. int8,int4), side by "
+        "side (every engine is held at once)",
     )
     p.add_argument("--json", default=None, help="write every figure (both tables, per round) here")
     p.set_defaults(func=_engine)

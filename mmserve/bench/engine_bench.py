@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from PIL import Image
 
-from mmserve.bench.step_profile import GemmFloor, StepCost, breakdown, steps_beside_floor
+from mmserve.bench.step_profile import GemmFloor, StepCost, breakdown, steps_beside_floor, streamed_bytes
 from mmserve.models.loader import load_model_config
 from mmserve.multimodal.items import Modality
 from mmserve.sampling_params import SamplingParams
@@ -152,11 +152,13 @@ def run(
     fp32_gemm: str = "auto",
     mkl_gemm: bool = False,
     profile: bool = True,
+    quantizations: tuple[str, ...] = (),
 ) -> dict[str, list[RunResult]]:
     """Every engine with `fp32_gemm` (`--fp32-gemm`), and beside each, in the same rounds: with `hf_layers` the
     same engine running transformers' layer code instead of its fused layers (`--disable-layer-fusion`); with
     `eager_ops` the same engine running PyTorch ops instead of mmserve's CPU kernels (`--disable-cpu-kernels`);
-    with `mkl_gemm` the same engine with its fp32 GEMMs in MKL (`--fp32-gemm mkl`)."""
+    with `mkl_gemm` the same engine with its fp32 GEMMs in MKL (`--fp32-gemm mkl`); for each of `quantizations`
+    the same engine with its weights quantized on load (`--quantization int8|int4`)."""
     from mmserve.llm import LLM
 
     ref = HFReference(model_dir, dtype=dtype)
@@ -165,6 +167,7 @@ def run(
     variants += [(" hf-layers", {**base, "fuse_layers": False})] if hf_layers else []
     variants += [(" eager-ops", {**base, "cpu_kernels": False})] if eager_ops else []
     variants += [(" mkl-gemm", {"fp32_gemm": "mkl"})] if mkl_gemm else []
+    variants += [(f" {q}", {**base, "quantization": q}) for q in quantizations]
     engines = {
         f"engine c={c}{suffix}": (
             c,
@@ -180,6 +183,8 @@ def run(
         f"{cfg.num_kv_heads} KV heads x {cfg.head_dim} dims; KV cache {engine.kv_bytes_per_token} bytes/token in "
         f"{dtype}" + (f"; {engine.states.slot_bytes / 2**20:.2f} MB of state per request" if engine.states else "")
     )
+    for name, (_, llm) in engines.items():
+        print(f"{name}: {streamed_bytes(llm.engine.runner) / 2**20:.3f} MB of linear weights per decode step")
     results: dict[str, list[RunResult]] = {}
     seed = 0
     # HF's requests bracket the engine's in each round, half before and half after: this machine's memory

@@ -18,8 +18,17 @@ from dataclasses import dataclass
 import torch
 
 from mmserve.engine.packed_linear import PackedLinear
+from mmserve.quant.linear import QuantLinear, weight_bytes
 
-GEMM_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::_addmm_activation", "mkldnn::_linear_pointwise")
+GEMM_OPS = (
+    "aten::mm",
+    "aten::addmm",
+    "aten::bmm",
+    "aten::_addmm_activation",
+    "mkldnn::_linear_pointwise",
+    "mmserve_cpu::quant_linear",  # and its many-row path, which dequantizes and calls one of the above
+    "mmserve_cpu::dequantize_weight",
+)
 ATTENTION_OPS = (  # and every SDPA kernel
     "aten::index_select",
     "aten::index_copy_",
@@ -52,13 +61,21 @@ class StepCost:
 
 
 def linear_layers(runner) -> list[torch.nn.Module]:
-    """Every linear layer of the language model and `lm_head`, plain or packed (engine.packed_linear)."""
-    kinds = (torch.nn.Linear, PackedLinear)
+    """Every linear layer of the language model and `lm_head`: plain, packed (engine.packed_linear) or quantized
+    (mmserve.quant.linear)."""
+    kinds = (torch.nn.Linear, PackedLinear, QuantLinear)
     return [m for m in runner.language_model.modules() if isinstance(m, kinds)] + [runner.lm_head]
+
+
+def streamed_bytes(runner) -> int:
+    """The linear layers' weight bytes: what one decode step streams from memory at least."""
+    return sum(weight_bytes(m) for m in linear_layers(runner))
 
 
 def gemm_call(layer: torch.nn.Module, x: torch.Tensor):
     """(op, args): the GEMM `layer(x)` runs, called without the module around it."""
+    if isinstance(layer, QuantLinear):  # the layer's own dispatch: the kernel for decode rows (one C++ call)
+        return layer, (x,)
     if isinstance(layer, PackedLinear):
         return torch.ops.mkldnn._linear_pointwise.default, (x, layer.packed, layer.bias, "none", [], "")
     return torch._C._nn.linear, (x, layer.weight, layer.bias)

@@ -118,5 +118,9 @@ def has_quantized(module: torch.nn.Module) -> bool:
     return any(isinstance(m, QuantLinear) for m in module.modules())
 
 
-def quantized_bytes(module: torch.nn.Module) -> int:
-    return sum(m.qweight.nbytes for m in module.modules() if isinstance(m, QuantLinear))
+def weight_bytes(layer: torch.nn.Module) -> int:
+    """The bytes a linear layer's weight streams per call: its codes and scales where quantized, else its
+    dense weight's (a packed one's too: oneDNN's layout is the same size)."""
+    if isinstance(layer, QuantLinear):
+        return layer.qweight.nbytes
+    return layer.out_features * layer.in_features * layer.weight.element_size()
