@@ -15,7 +15,7 @@ from mmserve.models.family import load_family
 from mmserve.models.loader import load_hf_config
 from mmserve.quant.formats import read_format
 from mmserve.quant.layout import KIND_CODES, QuantizedWeight, pack_int4, unpack_int4
-from mmserve.quant.linear import GEMV_ROWS, QuantLinear
+from mmserve.quant.linear import AMX_ROWS, GEMV_ROWS, QuantLinear
 from mmserve.quant.quantize import quantize_weight
 from mmserve.testing.kit_quant import FORMATS, quantize_checkpoint
 
@@ -47,7 +47,7 @@ def test_kernels_dequantize_exactly(kernels, kind, shape):
 
 
 @pytest.mark.parametrize("kind", ["int8", "int4", "fp8"])
-@pytest.mark.parametrize("rows", [1, 3, 9, GEMV_ROWS + 7])
+@pytest.mark.parametrize("rows", [1, 3, 9, 17, GEMV_ROWS + 7, AMX_ROWS + 5])
 @pytest.mark.parametrize("shape", [(96, 64), (40, 96), (130, 256)])
 def test_quant_linear_matches_the_dense_product(kernels, kind, rows, shape):
     torch.manual_seed(2)

@@ -72,6 +72,7 @@ class CpuKernels:
         self.gemma_rms_norm = ops.gemma_rms_norm
         self.quant_linear = ops.quant_linear
         self.dequantize_weight = ops.dequantize_weight
+        self.quant_linear_amx = bool(ops.quant_linear_amx())  # bf16 quantized rows on AMX tiles here
 
 
 def library_name() -> str:

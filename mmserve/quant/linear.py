@@ -16,9 +16,11 @@ import torch.nn.functional as F
 
 from mmserve.quant.layout import KIND_CODES, QuantizedWeight
 
-# Rows up to which the GEMV kernel beats dequantize-then-GEMM (measured on the `small` model's shapes, bf16,
-# docs/benchmarks.md §10): the kernel's multiply is AVX512-BF16's, the GEMM's AMX's.
+# Rows up to which the kernel beats dequantizing the weight for a GEMM (the `small` model's shapes, bf16,
+# docs/benchmarks.md §10): on AMX tiles it expands the codes once whatever the rows and crosses over between 48
+# and 96 rows; with AVX512-BF16's `vdpbf16ps` (or fp32 FMAs) its multiply costs per row, and 24 rows is the end.
 GEMV_ROWS = 24
+AMX_ROWS = 64
 
 
 class QuantLinear(torch.nn.Module):
@@ -45,7 +47,8 @@ class QuantLinear(torch.nn.Module):
         kernels = self.kernels
         if kernels is not None and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16):
             x = x.contiguous()
-            if x.shape[0] <= GEMV_ROWS:
+            amx = kernels.quant_linear_amx and x.dtype == torch.bfloat16
+            if x.shape[0] <= (AMX_ROWS if amx else GEMV_ROWS):
                 y = kernels.quant_linear(x, w.data, w.scales, w.zeros, self.kind_code, w.group, self.bias)
             else:
                 dense = kernels.dequantize_weight(
