@@ -89,6 +89,7 @@ def test_quantize_on_load_every_mode(method, on_load):
     model_dir, oracle = on_load("qwen2_vl", method)
     llm = make_llm(model_dir, QWEN.mm_kwargs, quantization=method)
     assert quantized_layers(llm) == 2 * 4 + 1  # qkv and gate/up fused, o and down; per layer, and the head
+    assert llm.engine.runner.decode_stack.quantized  # pure decode steps: every layer in one op over the codes
     run_and_compare(llm, oracle, list(QWEN.cases().values()))
     first = run_and_compare(llm, oracle, [QWEN.two([30, 31], "What is there?")])[0]
     again = run_and_compare(llm, oracle, [QWEN.two([30, 31], "What is there?")])[0]
@@ -141,6 +142,8 @@ def test_published_format_every_mode(fmt, formats):
     # The formats leave lm_head alone, as the published checkpoints do. q/k/v (gate/up) whose codes have their
     # own input orders (the kit's gptq-int8 act-order is random per layer) stay apart in one StackedLinear.
     assert quantized_layers(llm) == 2 * (7 if fmt == "gptq-int8" else 4)
+    # the decode stack takes codes in input order; act-order layers gather their inputs in Python first
+    assert (llm.engine.runner.decode_stack is not None) == (fmt not in ("gptq", "gptq-int8"))
     run_and_compare(llm, oracle, [QWEN.cases()["text"], QWEN.two([1, 2])])
     again = run_and_compare(llm, oracle, [QWEN.two([1, 2])])[0]
     assert again.num_cached_tokens > 0

@@ -65,6 +65,7 @@ class CpuKernels:
         self.decode_attention_ = ops.decode_attention_
         self.store_kv_ = ops.store_kv_
         self.decode_layers = ops.decode_layers
+        self.decode_layers_quant = ops.decode_layers_quant
         self.greedy_argmax = ops.greedy_argmax
         self.vision_rope = ops.vision_rope
         self.bf16_lookup = ops.bf16_lookup

@@ -19,13 +19,15 @@ every layer in one op (`DecodeStack`).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
 from mmserve.engine.layers.attention import AttentionMetadata, attend
 from mmserve.engine.packed_linear import PackedLinear
 from mmserve.models.layer_specs import AttentionSpec
-from mmserve.quant.linear import QuantLinear, StackedLinear, concat_quantized
+from mmserve.quant.linear import AMX_ROWS, GEMV_ROWS, QuantLinear, StackedLinear, concat_quantized
 
 # HF decoder layers of exactly this shape: pre-norm RMSNorm, q/k/v with bias, no q/k norm, a SiLU-gated MLP.
 FUSABLE_LAYERS = ("Qwen2DecoderLayer", "Qwen2VLDecoderLayer", "Qwen2_5_VLDecoderLayer")
@@ -136,18 +138,50 @@ class DecodeStack:
         layers: list[FusedDecoderLayer] = list(text_model.layers)
         first = layers[0]
         self.text_model = text_model
-        self.op = kernels.decode_layers
         self.packed = isinstance(first.qkv_proj, PackedLinear)  # pack_linears packs every one or none
+        self.quantized = isinstance(first.qkv_proj, QuantLinear)  # quantized: every one (`stackable`)
         self.shape = (first.num_heads, first.num_kv_heads)
         self.scale = first.scaling
         self.weights, self.biases, self.eps = [], [], []
+        self.codes, self.scales, self.zeros, self.kinds, self.groups = [], [], [], [], []
         for layer in layers:
             linears = (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
-            qkv, o, gate_up, down = (m.packed if self.packed else m.weight for m in linears)
-            self.weights += [layer.input_norm, qkv, o, layer.post_norm, gate_up, down]
             self.biases += [m.bias for m in linears]
             self.eps += [layer.input_eps, layer.post_eps]
+            if self.quantized:
+                self.weights += [layer.input_norm, layer.post_norm]
+                self.codes += [m.qweight.data for m in linears]
+                self.scales += [m.qweight.scales for m in linears]
+                self.zeros += [m.qweight.zeros for m in linears]
+                self.kinds += [m.kind_code for m in linears]
+                self.groups += [m.qweight.group for m in linears]
+                continue
+            qkv, o, gate_up, down = (m.packed if self.packed else m.weight for m in linears)
+            self.weights += [layer.input_norm, qkv, o, layer.post_norm, gate_up, down]
         self.layer_ids = [layer.layer_idx for layer in layers]
+        if self.quantized:  # the dense op's arguments, with the codes in place of the weights
+            codes = (self.codes, self.scales, self.zeros, self.kinds, self.groups, self.biases, self.eps)
+            self.op = functools.partial(_quantized_stack, kernels.decode_layers_quant, self.weights, *codes)
+            amx = kernels.quant_linear_amx and first.input_norm.dtype == torch.bfloat16
+            self.max_rows = AMX_ROWS if amx else GEMV_ROWS  # beyond: QuantLinear's dequantize-and-GEMM path
+        else:
+            self.op = kernels.decode_layers
+            self.max_rows = None
+
+    def takes(self, rows: int) -> bool:
+        """Whether a pure decode step of `rows` rows runs here (quantized layers: as many as quant_linear
+        serves better than a GEMM over the dequantized weights, which the Python layers then call)."""
+        return self.max_rows is None or rows <= self.max_rows
+
+    @staticmethod
+    def stackable(layers: list[torch.nn.Module]) -> bool:
+        """Whether the layers' linear layers are all dense, or all QuantLinear in input order (act-order codes
+        gather their inputs first, which the op does not)."""
+        linears = [m for layer in layers for m in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)]
+        quantized = [m for m in linears if isinstance(m, QuantLinear)]
+        if not quantized:
+            return not any(isinstance(m, StackedLinear) for m in linears)
+        return len(quantized) == len(linears) and all(m.qweight.perm is None for m in quantized)
 
     def __call__(self, inputs: torch.Tensor, position_ids, meta: AttentionMetadata) -> torch.Tensor:
         """(1, T, hidden): what the HF text model's forward returns for this step, computed as it computes it
@@ -173,6 +207,12 @@ class DecodeStack:
             self.scale,
         )
         return self.text_model.norm(hidden.unsqueeze(0))
+
+
+def _quantized_stack(op, norms, codes, scales, zeros, kinds, groups, biases, eps, x, _weights, _biases, _eps,
+                     heads, kv_heads, _packed, *rest):
+    """decode_layers' call turned into decode_layers_quant's (DecodeStack with quantized layers)."""
+    return op(x, norms, codes, scales, zeros, kinds, groups, biases, eps, heads, kv_heads, *rest)
 
 
 def fusable(layer: torch.nn.Module, spec) -> bool:

@@ -102,7 +102,7 @@ class ModelRunner:
         # Pure decode steps run every layer in one op when all are fused, over the weights in their final form.
         layers = getattr(self.language_model, "layers", [])
         all_qwen2 = bool(layers) and all(isinstance(m, FusedDecoderLayer) for m in layers)
-        all_qwen2 = all_qwen2 and not has_quantized(self.language_model)
+        all_qwen2 = all_qwen2 and DecodeStack.stackable(layers)
         fused_kernels = all_qwen2 and self.kernels is not None
         self.decode_stack = DecodeStack(self.language_model, self.kernels) if fused_kernels else None
         self.attention = AttentionPlan(family.layer_specs)
@@ -227,8 +227,9 @@ class ModelRunner:
             where = torch.cat(extra_positions).to(self.device)
             rows = {k: torch.cat(v).to(self.device, self.dtype) for k, v in extra_rows.items()}
             kwargs.update(self.family.lm_inputs(row, where, rows))
-        if self.decode_stack is not None and meta.decode is not None and not meta.seqs:  # pure decode
-            last = self.decode_stack(inputs, pos, meta)[0]
+        stack = self.decode_stack
+        if stack is not None and meta.decode is not None and not meta.seqs and stack.takes(inputs.shape[1]):
+            last = stack(inputs, pos, meta)[0]  # a pure decode step
         else:
             hidden = self.language_model(
                 inputs_embeds=inputs, position_ids=pos, use_cache=False, mm_attn=meta, **kwargs
