@@ -93,6 +93,7 @@ def engine_config_from_args(args: argparse.Namespace):
         quantization=args.quantization,
         quantize_lm_head=not args.keep_lm_head_unquantized,
         quantize_tower=args.quantize_tower,
+        kv_cache_dtype=args.kv_cache_dtype,
         embedding_cache_mb=args.embedding_cache_mb,
         mm_processor_kwargs=tuple(_json_arg(args.mm_processor_kwargs, "--mm-processor-kwargs").items()),
         media=media_config_from_args(args),
@@ -296,7 +297,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_quantization_args(p: argparse.ArgumentParser) -> None:
-    from mmserve.config import QUANTIZATIONS
+    from mmserve.config import KV_CACHE_DTYPES, QUANTIZATIONS
 
     p.add_argument(
         "--quantization",
@@ -310,6 +311,13 @@ def add_quantization_args(p: argparse.ArgumentParser) -> None:
         "--keep-lm-head-unquantized",
         action="store_true",
         help="with --quantization: leave lm_head in the model dtype (default: quantized too)",
+    )
+    p.add_argument(
+        "--kv-cache-dtype",
+        choices=KV_CACHE_DTYPES,
+        default="auto",
+        help="the KV cache's element type: auto (the model's dtype), or fp8 (= fp8_e4m3) / fp8_e5m2: K and V rows "
+        "rounded to fp8 unscaled as they are stored, half of bf16's bytes; prefill and decode servers must agree",
     )
     p.add_argument(
         "--quantize-tower",

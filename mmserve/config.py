@@ -22,6 +22,15 @@ def check_quantization(value: str | None) -> None:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, not {value!r}")
 
 
+# The KV cache's storage (vLLM's `--kv-cache-dtype` names): "auto" is the model's dtype; "fp8" = "fp8_e4m3".
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+
+
+def check_kv_cache_dtype(value: str) -> None:
+    if value not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, not {value!r}")
+
+
 def check_fp32_gemm(value: str) -> None:
     if value not in FP32_GEMMS:
         raise ValueError(f"fp32_gemm must be one of {', '.join(FP32_GEMMS)}, not {value!r}")
@@ -173,6 +182,8 @@ class EngineConfig:
     quantization: str | None = None
     quantize_lm_head: bool = True  # with `quantization`: lm_head too (False keeps it in the model dtype)
     quantize_tower: bool = False  # with `quantization`: the local tower's linear layers too
+    # K and V rows stored in fp8 (mmserve.engine.cache.kv_dtype): half bf16's bytes, a quarter of fp32's
+    kv_cache_dtype: str = "auto"
     embedding_cache_mb: float = 512.0
     mm_processor_kwargs: tuple[tuple[str, object], ...] = ()
     media: MediaConfig = MediaConfig()
@@ -197,6 +208,7 @@ class EngineConfig:
             raise ValueError("disaggregation_mode must be null, prefill or decode")
         check_fp32_gemm(self.fp32_gemm)
         check_quantization(self.quantization)
+        check_kv_cache_dtype(self.kv_cache_dtype)
         if self.kv_transfer_timeout_s <= 0:
             raise ValueError("kv_transfer_timeout_s must be > 0")
         if self.max_num_batched_tokens < 1:

@@ -40,13 +40,13 @@ class CacheLayout(msgspec.Struct, frozen=True):
 
     def difference(self, other: CacheLayout) -> str:
         """The first way `other` differs from this layout, in words."""
-        if self.dtype != other.dtype:
-            return f"dtype {other.dtype} here, {self.dtype} at the peer"
         for i, (a, b) in enumerate(zip(self.layers, other.layers, strict=False)):
             if a != b:
                 return f"layer {i} is {b} here, {a} at the peer"
         if len(self.layers) != len(other.layers):
             return f"{len(other.layers)} layers here, {len(self.layers)} at the peer"
+        if self.dtype != other.dtype:  # the model's dtype, or `--kv-cache-dtype`
+            return f"dtype {other.dtype} here, {self.dtype} at the peer"
         return "no difference"
 
 

@@ -32,7 +32,7 @@ from mmserve.engine.step_output import BatchFailed, EngineStats, StepOutput  # n
 from mmserve.logprobs import TokenLogprobs
 from mmserve.models.family import ModelFamily, check_pixel_limit, load_family
 from mmserve.models.layer_specs import has_item_blocks, window_of
-from mmserve.models.loader import load_hf_config, parse_dtype
+from mmserve.models.loader import load_hf_config
 from mmserve.multimodal.embedding import PlacedEmbedding
 from mmserve.multimodal.items import ItemEmbedding, MultimodalItem
 from mmserve.sampling_params import SamplingParams
@@ -68,6 +68,8 @@ class Engine:
         )
         specs = self.family.layer_specs
         self.pool, self.window_pool = build_kv_pools(cfg, self.model_config, specs)
+        if self.pool.dtype != self.runner.dtype:  # an fp8 cache: the layers store through `attend`'s conversion
+            self.runner.decode_stack = None
         self.window = window_of(specs)
         self.states = build_state_pool(cfg, specs)
         # A decode server never prefills, so a prefix cache would only hold slots (mmserve.disagg).
@@ -100,14 +102,13 @@ class Engine:
         # items computed whole where their tokens attend both ways
         self.item_blocks = has_item_blocks(specs)
         self.overlap = OverlapStages(self)  # encode-prefill overlap: a request's prompt prefilled in stages
-        per_token = self.kv_bytes_per_token = KVPool.bytes_per_token(
-            specs, parse_dtype(cfg.dtype), self.pool.layers
-        )
+        per_token = self.kv_bytes_per_token = KVPool.bytes_per_token(specs, self.pool.dtype, self.pool.layers)
         kv_layers = sum(s.has_kv for s in specs)
         kv_mb = self.pool.num_slots * per_token / 2**20
         logger.info(
-            "KV cache: %d tokens, %.1f MB (%d bytes per token, %d of %d layers with KV); max model len %d",
-            *(self.pool.num_slots, kv_mb, per_token, kv_layers, len(specs), self.model_config.max_model_len),
+            "KV cache: %d tokens, %.1f MB (%d bytes per token in %s, %d of %d layers with KV); max model len %d",
+            *(self.pool.num_slots, kv_mb, per_token, str(self.pool.dtype).removeprefix("torch."), kv_layers),
+            *(len(specs), self.model_config.max_model_len),
         )
         if self.window_pool is not None:
             rows = self.window_pool

@@ -77,9 +77,16 @@ class HFReference:
     """The full HF model of a checkpoint with HF's own processor class."""
 
     def __init__(
-        self, model_dir: str, dtype: str = "float32", mm_processor_kwargs: dict | None = None
+        self,
+        model_dir: str,
+        dtype: str = "float32",
+        mm_processor_kwargs: dict | None = None,
+        kv_cache_dtype: str = "auto",
     ) -> None:
         hf_config = load_hf_config(model_dir)
+        # An fp8 KV cache's oracle: HF's own cache with every K and V row rounded to fp8 as it is stored
+        # (mmserve.engine.cache.kv_dtype), so attention reads exactly what an fp8 pool holds.
+        self.kv_cache_dtype = kv_cache_dtype
         self.model = load_model(model_dir, dtype=dtype)
         self.tokenizer = load_tokenizer(model_dir)
         # Our family only prepares what HF cannot (video pixels); see PrecomputedVideos.
@@ -121,9 +128,11 @@ class HFReference:
         ) in inputs.items():  # pixels / audio features in the model's dtype, as HF users pass them
             if torch.is_tensor(value) and value.is_floating_point():
                 inputs[key] = value.to(model.dtype)
+        cache = {} if self.kv_cache_dtype == "auto" else {"cache": self._rounding_cache()}
         with torch.no_grad():
             out = model.generate(
                 **inputs,
+                **cache,
                 max_new_tokens=max_new_tokens,
                 do_sample=False,
                 output_logits=True,
@@ -136,6 +145,20 @@ class HFReference:
         new_tokens = out.sequences[0, prompt_len:].tolist()
         logits = torch.cat([step.float() for step in out.logits], dim=0)
         return ReferenceOutput(new_tokens, logits, inputs["input_ids"][0].tolist())
+
+    def _rounding_cache(self):
+        from transformers import DynamicCache
+
+        from mmserve.engine.cache.kv_dtype import FP8, round_trip
+
+        cache = DynamicCache(config=self.model.config)
+        dtype = FP8[self.kv_cache_dtype]
+        for layer in cache.layers:
+            update = layer.update
+            layer.update = lambda k, v, *args, _update=update, **kwargs: _update(
+                round_trip(k, dtype), round_trip(v, dtype), *args, **kwargs
+            )
+        return cache
 
     def extend(self, inputs, token_ids: list[int]):
         """`inputs` (processor outputs of one prompt) with text tokens `token_ids` appended: the next turn."""

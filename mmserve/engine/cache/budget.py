@@ -14,6 +14,7 @@ import os
 import torch
 
 from mmserve.config import EngineConfig, ModelConfig
+from mmserve.engine.cache.kv_dtype import kv_cache_dtype
 from mmserve.engine.cache.kv_pool import KVPool
 from mmserve.engine.cache.state_pool import StatePool, state_bytes
 from mmserve.models.layer_specs import AttentionSpec, LayerSpec, LinearStateSpec, window_of
@@ -59,7 +60,7 @@ def build_kv_pools(
     """(KV pool, window pool or None): room for `max_num_seqs` requests of `max_model_len` tokens each, unless
     `--kv-cache-mb` says. The window pool gets a row for every token the KV pool holds, up to `window_tokens`
     per request (short requests are all window; long ones keep only a window's worth)."""
-    dtype, device = parse_dtype(cfg.dtype), torch.device(cfg.device)
+    dtype, device = kv_cache_dtype(cfg.kv_cache_dtype, parse_dtype(cfg.dtype)), torch.device(cfg.device)
     full_layers, window_layers = kv_layers_by_pool(specs)
     window = window_of(specs)
     per_token = KVPool.bytes_per_token(specs, dtype, full_layers)

@@ -223,7 +223,7 @@ class KVPool:
         if data.dtype != torch.uint8 or data.numel() != n * self.token_bytes:
             raise ValueError(f"KV payload is {data.numel()} bytes, {n * self.token_bytes} expected")
         idx, start = slots.to(self.device), 0
-        values = data.to(self.device).view(self.dtype)
+        values = data.to(self.device).view(self._row_type)
         for g in self.groups:
             view = self._group_view(g)  # (2, layers, slots, heads, dim)
             count = 2 * len(g.layers) * n * g.num_kv_heads * g.head_dim
@@ -231,10 +231,15 @@ class KVPool:
             view.index_copy_(2, idx, rows)
             start += count
 
+    @property
+    def _row_type(self) -> torch.dtype:
+        """The type rows are copied as: an fp8 pool's as bytes (torch has no index copies of fp8 on a CPU)."""
+        return torch.uint8 if self.dtype.itemsize == 1 else self.dtype
+
     def _group_view(self, g: KvGroup) -> torch.Tensor:
         item = self.dtype.itemsize
         n = len(g.layers) * self.num_slots * g.num_kv_heads * g.head_dim
-        flat = self.buffer[g.offset // item : g.offset // item + 2 * n]
+        flat = self.buffer.view(self._row_type)[g.offset // item : g.offset // item + 2 * n]
         return flat.view(2, len(g.layers), self.num_slots, g.num_kv_heads, g.head_dim)
 
     def refcount(self, slots: torch.Tensor) -> torch.Tensor:

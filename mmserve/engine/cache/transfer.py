@@ -60,8 +60,10 @@ class CacheTransfer:
         return [spec.describe() for spec in self.specs]
 
     @property
-    def dtype(self) -> torch.dtype:
-        return self.kv.dtype
+    def dtype(self) -> str:
+        """The caches' element types: the KV rows' (the model's, or fp8) and a hybrid's states' (the model's)."""
+        states = f" (states {self.states.dtype})" if self.states is not None else ""
+        return f"{self.kv.dtype}{states}"
 
     def kv_bytes(self, num_tokens: int, window_rows: int = 0) -> int:
         return num_tokens * self.kv.token_bytes + (

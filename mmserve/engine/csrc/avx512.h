@@ -22,6 +22,18 @@ inline __m512 load16(const BFloat16* p, __mmask16 m) {  // the lanes of m (a row
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
 }
 inline void store16(float* p, __m512 x) { _mm512_storeu_ps(p, x); }
+// fp8 KV rows: e4m3's exponent and mantissa placed in a float's fields are 2^-120 of its value (subnormals
+// included, exactly); e5m2 is the high byte of an fp16.
+inline __m512 load16(const c10::Float8_e4m3fn* p) {
+  const __m512i u = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m512i bits = _mm512_or_si512(_mm512_slli_epi32(_mm512_and_si512(u, _mm512_set1_epi32(0x80)), 24),
+                                       _mm512_slli_epi32(_mm512_and_si512(u, _mm512_set1_epi32(0x7f)), 20));
+  return _mm512_mul_ps(_mm512_castsi512_ps(bits), _mm512_set1_ps(0x1p120f));
+}
+inline __m512 load16(const c10::Float8_e5m2* p) {
+  const __m256i u = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm512_cvtph_ps(_mm256_slli_epi16(u, 8));
+}
 
 
 // Asks for one head's row (kDim elements) in L1 ahead of its use. The pool is far larger than the caches and a

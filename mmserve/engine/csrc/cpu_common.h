@@ -16,6 +16,9 @@ using at::Tensor;
 
 inline float to_f(float x) { return x; }
 inline float to_f(BFloat16 x) { return static_cast<float>(x); }
+// An fp8 KV cache's elements (`--kv-cache-dtype fp8_e4m3 | fp8_e5m2`): read, never written, by the kernels.
+inline float to_f(c10::Float8_e4m3fn x) { return static_cast<float>(x); }
+inline float to_f(c10::Float8_e5m2 x) { return static_cast<float>(x); }
 
 template <typename T>
 inline T from_f(float x) { return static_cast<T>(x); }

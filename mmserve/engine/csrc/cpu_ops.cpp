@@ -9,7 +9,8 @@
 //   first half negated), rounding each product as the eager ops do: bitwise the eager result;
 // - silu_mul: silu(gate) * up over the (T, 2I) gate/up GEMM output (in bf16 with AVX-512, torch's silu of each
 //   of the 65,536 bf16 values from a table: the eager ops' bits);
-// - store_kv_: a layer's new K and V rows into the pool at their slots, in one pass;
+// - store_kv_: a layer's new K and V rows into the pool at their slots, in one pass (rows already in the pool's
+//   type: fp8 pools get them converted by the caller, mmserve.engine.cache.kv_dtype);
 // - greedy_argmax: each row's first maximum logit (torch.argmax's ids), rows and pieces of rows in parallel;
 // - decode_attention_ (decode_attention.cpp): every one-row query against its own slots, reading K and V in
 //   place in the pool (no gather), the G query heads that share a KV head together so each K/V row is read once
@@ -222,8 +223,10 @@ void store_kv_(Tensor k_cache, Tensor v_cache, const Tensor& slots, const Tensor
                   value.stride(2) == 1 && key.scalar_type() == k_cache.scalar_type() &&
                   value.scalar_type() == k_cache.scalar_type(),
               "store_kv_: key and value (T, Hkv, D) with contiguous heads, of the pool's row shape and dtype");
-  TORCH_CHECK(k_cache.scalar_type() == at::kFloat || k_cache.scalar_type() == at::kBFloat16,
-              "store_kv_: the pool must be float32 or bfloat16");
+  const at::ScalarType pool_type = k_cache.scalar_type();
+  TORCH_CHECK(pool_type == at::kFloat || pool_type == at::kBFloat16 || pool_type == at::kFloat8_e4m3fn ||
+                  pool_type == at::kFloat8_e5m2,
+              "store_kv_: the pool must be float32, bfloat16 or fp8 (its rows converted by the caller)");
   TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.is_contiguous() &&
                   slots.numel() == key.size(0),
               "store_kv_: slots (T,) int64, one per row");
@@ -231,21 +234,20 @@ void store_kv_(Tensor k_cache, Tensor v_cache, const Tensor& slots, const Tensor
   const int64_t* sp = slots.data_ptr<int64_t>();
   for (int64_t t = 0; t < rows; ++t)  // a bad slot would write outside the pool
     TORCH_CHECK(sp[t] >= 0 && sp[t] < num_slots, "store_kv_: slot out of range");
-  dispatch(k_cache.scalar_type(), [&](auto tag) {
-    using scalar_t = decltype(tag);
-    const int64_t row = heads * dim;
-    const size_t bytes = dim * sizeof(scalar_t);
-    scalar_t* kc = k_cache.data_ptr<scalar_t>();
-    scalar_t* vc = v_cache.data_ptr<scalar_t>();
-    const scalar_t* kp = key.data_ptr<scalar_t>();
-    const scalar_t* vp = value.data_ptr<scalar_t>();
-    at::parallel_for(0, rows, grain(row * 16), [&](int64_t begin, int64_t end) {
-      for (int64_t t = begin; t < end; ++t)
-        for (int64_t h = 0; h < heads; ++h) {
-          std::memcpy(kc + sp[t] * row + h * dim, kp + t * key.stride(0) + h * key.stride(1), bytes);
-          std::memcpy(vc + sp[t] * row + h * dim, vp + t * value.stride(0) + h * value.stride(1), bytes);
-        }
-    });
+  // Bytes moved as they are: the rows are already in the pool's type.
+  const int64_t item = k_cache.element_size(), row = heads * dim * item, bytes = dim * item;
+  char* kc = static_cast<char*>(k_cache.data_ptr());
+  char* vc = static_cast<char*>(v_cache.data_ptr());
+  const char* kp = static_cast<const char*>(key.data_ptr());
+  const char* vp = static_cast<const char*>(value.data_ptr());
+  const int64_t ks0 = key.stride(0) * item, ks1 = key.stride(1) * item;
+  const int64_t vs0 = value.stride(0) * item, vs1 = value.stride(1) * item;
+  at::parallel_for(0, rows, grain(heads * dim * 16), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t)
+      for (int64_t h = 0; h < heads; ++h) {
+        std::memcpy(kc + sp[t] * row + h * bytes, kp + t * ks0 + h * ks1, bytes);
+        std::memcpy(vc + sp[t] * row + h * bytes, vp + t * vs0 + h * vs1, bytes);
+      }
   });
 }
 

@@ -4,7 +4,9 @@
 // and head sizes 64, 128, 256 and 512 the scores take 16 slots as the vector lanes and the weighted V sum keeps every
 // head's dims in registers, with the rows prefetched ahead; portable loops do the same multiply-adds in the
 // same order elsewhere. The softmax follows SDPA's CPU kernel. In bf16 on a CPU with AMX (and a kernel that
-// grants its tiles), head sizes 64 and 128 run on AMX instead (decode_attention_amx.h).
+// grants its tiles), head sizes 64 and 128 run on AMX instead (decode_attention_amx.h). An fp8 pool
+// (`--kv-cache-dtype`) is read by the AVX-512 loops, each row widened to float as it is loaded: half the bytes
+// of a bf16 row, and the same float math after the load.
 #include <torch/library.h>
 
 #include <immintrin.h>
@@ -27,14 +29,14 @@ constexpr int64_t kSlots = 8;  // slots scored together: independent multiply-ad
 // heads, zeros past `group`). 16 slots at a time are the vector lanes: their K rows, transposed in registers
 // into kt (kt[d] = dim d of the 16 slots), are multiplied by each head's qf[g][d] broadcast. The same fused
 // multiply-adds in the same order (dims in turn) as the loop with the heads as lanes, at twice the width.
-template <typename T, int kDim, int kL>
-void score_slots(const float* qf, const T* k_cache, const int64_t* slots, int64_t len, int64_t row_stride,
+template <typename C, int kDim, int kL>
+void score_slots(const float* qf, const C* k_cache, const int64_t* slots, int64_t len, int64_t row_stride,
                  int64_t offset, int64_t group, float* kt, float* scores, float* tops) {
   for (int64_t j0 = 0; j0 < len; j0 += 16) {
     const int n = static_cast<int>(std::min<int64_t>(16, len - j0));
     const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1);
     for (int64_t u = j0 + 16; u < std::min(j0 + 32, len); ++u)  // the next block's rows, while this one runs
-      prefetch_row<T, kDim>(k_cache + slots[u] * row_stride + offset);
+      prefetch_row<C, kDim>(k_cache + slots[u] * row_stride + offset);
     for (int d0 = 0; d0 < kDim; d0 += 16) {
       __m512 r[16];
       for (int u = 0; u < 16; ++u)  // past the end: the last slot again, its scores dropped
@@ -62,23 +64,23 @@ void score_slots(const float* qf, const T* k_cache, const int64_t* slots, int64_
 }
 
 // score_slots with lanes for the group's heads; false where it does not apply (one head: a dot product).
-template <typename T, int kDim>
-bool score_vectors(const float* qf, const T* k_cache, const int64_t* slots, int64_t len, int64_t row_stride,
+template <typename C, int kDim>
+bool score_vectors(const float* qf, const C* k_cache, const int64_t* slots, int64_t len, int64_t row_stride,
                    int64_t offset, int64_t group, float* kt, float* scores, float* tops) {
   if constexpr (kDim == 0) {
     return false;
   } else {
     if (group < 2) return false;
-    const auto run = group >= 5   ? score_slots<T, kDim, 8>
-                     : group >= 3 ? score_slots<T, kDim, 4>
-                                  : score_slots<T, kDim, 2>;
+    const auto run = group >= 5   ? score_slots<C, kDim, 8>
+                     : group >= 3 ? score_slots<C, kDim, 4>
+                                  : score_slots<C, kDim, 2>;
     run(qf, k_cache, slots, len, row_stride, offset, group, kt, scores, tops);
     return true;
   }
 }
 #else
-template <typename T, int kDim>
-bool score_vectors(const float*, const T*, const int64_t*, int64_t, int64_t, int64_t, int64_t, float*, float*,
+template <typename C, int kDim>
+bool score_vectors(const float*, const C*, const int64_t*, int64_t, int64_t, int64_t, int64_t, float*, float*,
                    float*) {
   return false;  // no AVX-512: the portable loops
 }
@@ -88,8 +90,8 @@ bool score_vectors(const float*, const T*, const int64_t*, int64_t, int64_t, int
 // out[g] = (sum_j p[g][j] v[j]) / sum[g] for the G heads, kL heads at a time: kVecs vectors of 16 dims of each
 // accumulate in registers over all slots (at most 16 vectors), each V row read once per block of dims. The
 // same fused multiply-adds in the same order (slot by slot) as the plain loop: only loads and stores are fewer.
-template <typename T, int kDim, int kL, int kVecs>
-void weigh_values(const float* scores, int64_t len, const T* v_cache, const int64_t* slots, int64_t row_stride,
+template <typename T, typename C, int kDim, int kL, int kVecs>
+void weigh_values(const float* scores, int64_t len, const C* v_cache, const int64_t* slots, int64_t row_stride,
                   int64_t kv_head, int64_t group, const float* inv_sums, T* out, int64_t out_head_stride) {
   constexpr int kBlock = 16 * kVecs;
   static_assert(kDim % kBlock == 0, "head size must be a multiple of the block");
@@ -104,8 +106,8 @@ void weigh_values(const float* scores, int64_t len, const T* v_cache, const int6
 #pragma GCC unroll 4
         for (int x = 0; x < kVecs; ++x) a[l][x] = _mm512_setzero_ps();
       for (int64_t j = 0; j < len; ++j) {
-        if (d0 == 0 && j + 16 < len) prefetch_row<T, kDim>(v_cache + slots[j + 16] * row_stride + kv_head * kDim);
-        const T* v = v_cache + slots[j] * row_stride + kv_head * kDim + d0;
+        if (d0 == 0 && j + 16 < len) prefetch_row<C, kDim>(v_cache + slots[j + 16] * row_stride + kv_head * kDim);
+        const C* v = v_cache + slots[j] * row_stride + kv_head * kDim + d0;
         __m512 vx[kVecs];
 #pragma GCC unroll 4
         for (int x = 0; x < kVecs; ++x) vx[x] = load16(v + 16 * x);
@@ -127,13 +129,13 @@ void weigh_values(const float* scores, int64_t len, const T* v_cache, const int6
 }
 
 // weigh_values with lanes for the group's heads (8 for 5-8 heads: one pass over V), few wasted on small groups.
-template <typename T, int kDim>
-void weigh_values(const float* scores, int64_t len, const T* v_cache, const int64_t* slots, int64_t row_stride,
+template <typename T, typename C, int kDim>
+void weigh_values(const float* scores, int64_t len, const C* v_cache, const int64_t* slots, int64_t row_stride,
                   int64_t kv_head, int64_t group, const float* inv_sums, T* out, int64_t out_head_stride) {
-  const auto run = group >= 5   ? weigh_values<T, kDim, 8, 2>
-                   : group >= 3 ? weigh_values<T, kDim, 4, 4>
-                   : group >= 2 ? weigh_values<T, kDim, 2, 4>
-                                : weigh_values<T, kDim, 1, 4>;
+  const auto run = group >= 5   ? weigh_values<T, C, kDim, 8, 2>
+                   : group >= 3 ? weigh_values<T, C, kDim, 4, 4>
+                   : group >= 2 ? weigh_values<T, C, kDim, 2, 4>
+                                : weigh_values<T, C, kDim, 1, 4>;
   run(scores, len, v_cache, slots, row_stride, kv_head, group, inv_sums, out, out_head_stride);
 }
 #endif
@@ -141,8 +143,8 @@ void weigh_values(const float* scores, int64_t len, const T* v_cache, const int6
 // One request's G query heads (those sharing KV head `kv_head`) against its slots. kDim > 0 fixes the head
 // size at compile time (64, 128, 256 and 512 cover the served models), so the per-row loops unroll into whole
 // vectors.
-template <typename T, int kDim>
-void attend_one(const T* q, int64_t q_head_stride, const T* k_cache, const T* v_cache, const int64_t* slots,
+template <typename T, typename C, int kDim>
+void attend_one(const T* q, int64_t q_head_stride, const C* k_cache, const C* v_cache, const int64_t* slots,
                 int64_t len, int64_t kv_heads, int64_t kv_head, int64_t group, int64_t runtime_dim, float scale,
                 T* out, int64_t out_head_stride, std::vector<float>& buf) {
   const int64_t dim = kDim > 0 ? kDim : runtime_dim;
@@ -159,11 +161,11 @@ void attend_one(const T* q, int64_t q_head_stride, const T* k_cache, const T* v_
   std::fill(acc, acc + group * dim, 0.f);
   const int64_t row_stride = kv_heads * dim;
   std::fill(tops, tops + group, -INFINITY);
-  if (score_vectors<T, kDim>(qf, k_cache, slots, len, row_stride, kv_head * dim, group, row, scores, tops)) {
+  if (score_vectors<C, kDim>(qf, k_cache, slots, len, row_stride, kv_head * dim, group, row, scores, tops)) {
     // scored 16 slots at a time (AVX-512, the head sizes above)
   } else if (group == 1) {  // one query head per KV head: a dot product per slot
     for (int64_t j = 0; j < len; ++j) {
-      const T* k = k_cache + slots[j] * row_stride + kv_head * dim;
+      const C* k = k_cache + slots[j] * row_stride + kv_head * dim;
       float dot = 0.f;
       _Pragma("omp simd reduction(+ : dot)") for (int64_t d = 0; d < dim; ++d) {
         dot = std::fma(qf[d], to_f(k[d]), dot);
@@ -184,7 +186,7 @@ void attend_one(const T* q, int64_t q_head_stride, const T* k_cache, const T* v_
         for (int64_t l = 0; l < kLanes; ++l) qt[d * kLanes + l] = l < lanes ? qf[(g0 + l) * dim + d] : 0.f;
       // kSlots slots at a time: independent accumulators, so the multiply-adds do not wait on each other.
       for (int64_t j = 0; j < len; j += kSlots) {
-        const T* k[kSlots];
+        const C* k[kSlots];
         for (int64_t u = 0; u < kSlots; ++u)  // past the end: the last slot again, its scores dropped
           k[u] = k_cache + slots[std::min(j + u, len - 1)] * row_stride + kv_head * dim;
         for (int64_t u = 0; u < kSlots; ++u)  // to float in whole vectors, then broadcast from memory
@@ -208,7 +210,7 @@ void attend_one(const T* q, int64_t q_head_stride, const T* k_cache, const T* v_
 #if defined(__AVX512F__)
   if constexpr (kDim > 0) {  // the V pass's first rows arrive during the softmax
     for (int64_t j = 0; j < std::min<int64_t>(len, 16); ++j)
-      prefetch_row<T, kDim>(v_cache + slots[j] * row_stride + kv_head * kDim);
+      prefetch_row<C, kDim>(v_cache + slots[j] * row_stride + kv_head * kDim);
   }
 #endif
   // Softmax as SDPA's CPU kernel does it: the weights exp(s - max) summed in float, rounded to the dtype for
@@ -227,12 +229,12 @@ void attend_one(const T* q, int64_t q_head_stride, const T* k_cache, const T* v_
   std::fill(scores + group * len, scores + padded * len, 0.f);  // the padding heads weigh nothing
 #if defined(__AVX512F__)
   if constexpr (kDim > 0) {
-    weigh_values<T, kDim>(scores, len, v_cache, slots, row_stride, kv_head, group, tops, out, out_head_stride);
+    weigh_values<T, C, kDim>(scores, len, v_cache, slots, row_stride, kv_head, group, tops, out, out_head_stride);
     return;
   }
 #endif
   for (int64_t j = 0; j < len; ++j) {
-    const T* v = v_cache + slots[j] * row_stride + kv_head * dim;
+    const C* v = v_cache + slots[j] * row_stride + kv_head * dim;
     _Pragma("omp simd") for (int64_t d = 0; d < dim; ++d) row[d] = to_f(v[d]);
     for (int64_t g = 0; g < group; ++g) {
       const float p = scores[g * len + j];
@@ -252,10 +254,12 @@ void decode_attention_(Tensor out, const Tensor& query, const Tensor& rows, cons
   TORCH_CHECK(query.dim() == 3 && out.dim() == 3 && out.sizes() == query.sizes() &&
                   out.scalar_type() == query.scalar_type(),
               "decode_attention_: query and out (T, H, D), one dtype");
+  const at::ScalarType cache_type = k_cache.scalar_type();
+  const bool fp8 = cache_type == at::kFloat8_e4m3fn || cache_type == at::kFloat8_e5m2;
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 3 &&
-                  k_cache.sizes() == v_cache.sizes() && k_cache.scalar_type() == query.scalar_type() &&
-                  v_cache.scalar_type() == query.scalar_type() && k_cache.size(2) == query.size(2),
-              "decode_attention_: k_cache and v_cache (S, Hkv, D), contiguous, of query's dtype");
+                  k_cache.sizes() == v_cache.sizes() && (cache_type == query.scalar_type() || fp8) &&
+                  v_cache.scalar_type() == cache_type && k_cache.size(2) == query.size(2),
+              "decode_attention_: k_cache and v_cache (S, Hkv, D), contiguous, of query's dtype or fp8");
   TORCH_CHECK(rows.scalar_type() == at::kLong && slots.scalar_type() == at::kLong &&
                   lengths.scalar_type() == at::kLong && rows.is_contiguous() && slots.is_contiguous() &&
                   lengths.is_contiguous() && slots.dim() == 2 && rows.numel() == slots.size(0) &&
@@ -275,12 +279,23 @@ void decode_attention_(Tensor out, const Tensor& query, const Tensor& rows, cons
       TORCH_CHECK(slot >= 0 && slot < num_slots, "decode_attention_: slot out of range");
     }
   }
-  dispatch(query.scalar_type(), [&](auto tag) {
+  // The pool's element type: the query's, or an fp8 cache's (read and widened to float as rows are loaded).
+  auto with_cache = [&](auto tag, auto&& fn) {
+    if (cache_type == at::kFloat8_e4m3fn) {
+      fn(tag, c10::Float8_e4m3fn{});
+    } else if (cache_type == at::kFloat8_e5m2) {
+      fn(tag, c10::Float8_e5m2{});
+    } else {
+      fn(tag, tag);
+    }
+  };
+  dispatch(query.scalar_type(), [&](auto query_tag) { with_cache(query_tag, [&](auto tag, auto cache_tag) {
     using scalar_t = decltype(tag);
+    using cache_t = decltype(cache_tag);
     const scalar_t* qp = query.data_ptr<scalar_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
-    const scalar_t* kp = k_cache.data_ptr<scalar_t>();
-    const scalar_t* vp = v_cache.data_ptr<scalar_t>();
+    const cache_t* kp = static_cast<const cache_t*>(k_cache.data_ptr());
+    const cache_t* vp = static_cast<const cache_t*>(v_cache.data_ptr());
     const float fscale = static_cast<float>(scale);
     // A thread's share of the (request, KV head) tasks: attend(query heads, slots, length, KV head, out heads).
     auto each_task = [&](int64_t begin, int64_t end, auto&& attend) {
@@ -291,7 +306,7 @@ void decode_attention_(Tensor out, const Tensor& query, const Tensor& rows, cons
       }
     };
 #if defined(MMSERVE_HAVE_AMX)
-    if constexpr (std::is_same_v<scalar_t, BFloat16>) {
+    if constexpr (std::is_same_v<scalar_t, BFloat16> && std::is_same_v<cache_t, BFloat16>) {
       if ((dim == 64 || dim == 128) && group >= 2 && group <= 16 && amx_permitted()) {
         const auto one = dim == 64 ? attend_amx<64> : attend_amx<128>;
         at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
@@ -308,18 +323,18 @@ void decode_attention_(Tensor out, const Tensor& query, const Tensor& rows, cons
     }
 #endif
     // Head sizes fixed at compile time: Qwen's 64 / 128, Gemma's 256 (and Gemma 4's full layers' 512).
-    const auto one = dim == 64    ? attend_one<scalar_t, 64>
-                     : dim == 128 ? attend_one<scalar_t, 128>
-                     : dim == 256 ? attend_one<scalar_t, 256>
-                     : dim == 512 ? attend_one<scalar_t, 512>
-                                  : attend_one<scalar_t, 0>;
+    const auto one = dim == 64    ? attend_one<scalar_t, cache_t, 64>
+                     : dim == 128 ? attend_one<scalar_t, cache_t, 128>
+                     : dim == 256 ? attend_one<scalar_t, cache_t, 256>
+                     : dim == 512 ? attend_one<scalar_t, cache_t, 512>
+                                  : attend_one<scalar_t, cache_t, 0>;
     at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
       std::vector<float> buf;  // this thread's scratch, grown to the longest request it attends
       each_task(begin, end, [&](const scalar_t* q, const int64_t* slots, int64_t len, int64_t h, scalar_t* o) {
         one(q, query.stride(1), kp, vp, slots, len, kv_heads, h, group, dim, fscale, o, out.stride(1), buf);
       });
     });
-  });
+  }); });
 }
 
 }  // namespace

@@ -11,6 +11,9 @@ attend in two groups, both built once per step (not per layer):
   `is_causal` is top-left, right only for q == kv).
 Without `mm_attn` it falls back to HF's SDPA so the same model can still run `generate` as a reference.
 
+An fp8 pool (`--kv-cache-dtype`, mmserve.engine.cache.kv_dtype) gets the rows rounded to fp8 as they are
+written; every read widens them back to the query's dtype.
+
 Layer kinds (`AttentionSpec`): the layers of a step are grouped into *views*, one per (pool, item blocks): a
 view is where its layers write this step's K/V (slots of the KV pool, or of the window pool for sliding-window
 layers) and what each query row reads. Masks are built as transformers builds them, from absolute positions:
@@ -24,6 +27,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from mmserve.engine.cache.kv_dtype import is_fp8, to_cache
 from mmserve.engine.layers.attention_metadata import (  # noqa: F401 (re-exported: the metadata of `attend`)
     AttentionMetadata,
     AttentionView,
@@ -63,7 +67,11 @@ def attend(layer: int, query, key, value, meta: AttentionMetadata, scaling: floa
     if not meta.writes[layer]:
         pass  # a layer sharing another's K/V: that layer wrote this step's rows already
     elif kernels is not None:
-        kernels.store_kv_(k_cache, v_cache, view.new_slots, key, value)
+        stored = k_cache.dtype
+        kernels.store_kv_(k_cache, v_cache, view.new_slots, to_cache(key, stored), to_cache(value, stored))
+    elif is_fp8(k_cache.dtype):  # torch copies fp8 rows on a CPU only as bytes
+        for cache, rows in ((k_cache, key), (v_cache, value)):
+            cache.view(torch.uint8).index_copy_(0, view.new_slots, to_cache(rows, cache.dtype).view(torch.uint8))
     else:
         k_cache.index_copy_(0, view.new_slots, key.to(k_cache.dtype))
         v_cache.index_copy_(0, view.new_slots, value.to(v_cache.dtype))
