@@ -65,15 +65,18 @@ def test_bench_engine_without_the_profile_times_the_step_and_its_floor_only(tiny
     assert row.endswith("| - | - | - | - | - |"), row
 
 
-def test_bench_engine_runs_quantized_engines_beside_the_plain_one(tiny_qwen2_vl, tmp_path):
+def test_bench_engine_runs_quantized_engines_and_fp8_caches_beside_the_plain_one(tiny_qwen2_vl, tmp_path):
     out = tmp_path / "engine.json"
     args = ["--concurrency", "2", "--num-requests", "2", "--hf-requests", "1", "--output-tokens", "8"]
     args += ["--rounds", "1", "--image-size", "32x32", "--kv-cache-mb", "8", "--json", str(out)]
-    done = run_cli("bench", "engine", "--model", tiny_qwen2_vl, *args, "--quantization", "int8,int4")
+    more = ["--quantization", "int8,int4", "--kv-cache-dtype", "fp8"]
+    done = run_cli("bench", "engine", "--model", tiny_qwen2_vl, *args, *more)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(out.read_text())
-    assert set(result["summary"]) == {"hf", "engine c=2", "engine c=2 int8", "engine c=2 int4"}
+    names = {"", " int8", " int4", " kv-fp8", " int8 kv-fp8", " int4 kv-fp8"}
+    assert set(result["summary"]) == {"hf"} | {f"engine c=2{n}" for n in names}
     assert result["parameters"]["quantization"] == ["int8", "int4"]
+    assert result["parameters"]["kv_cache_dtype"] == ["fp8"]
     streamed = {
         line.split(":")[0]: float(line.split(": ")[1].split()[0])
         for line in done.stdout.splitlines()

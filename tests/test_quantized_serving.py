@@ -3,8 +3,8 @@
 - EPD: `mmserve serve --quantization int4 --quantize-tower --language-only --encoder-workers 1`: the spawned
   encoder worker quantizes its tower too (the flag travels), and the answers equal HF's on a checkpoint whose
   language-model, head and tower weights are the dequantized ones;
-- P/D: an AWQ checkpoint through `--prefill-workers 1 --decode-workers 1`: both engines load its codes and the KV
-  cache crosses between them;
+- P/D: an AWQ checkpoint with `--kv-cache-dtype fp8` through `--prefill-workers 1 --decode-workers 1`: both
+  engines load its codes and keep fp8 rows (the flags travel to the children), and the rows cross between them;
 - a checkpoint that is already quantized refuses `--quantization` at start, naming the checkpoint.
 """
 
@@ -18,8 +18,9 @@ import httpx
 import pytest
 
 from mmserve.testing.kit_quant import dequantized_reference, quantize_checkpoint
+from mmserve.testing.reference import HFReference
 from mmserve.testing.server_process import start_server
-from tests.engine_helpers import reference_text
+from tests.engine_helpers import reference, reference_text
 from tests.families import FAMILIES
 
 SPEC = FAMILIES["qwen2_vl"]
@@ -66,12 +67,17 @@ def test_epd_with_a_quantized_tower_and_language_model(tiny_qwen2_vl, tmp_path, 
         assert server.stop() == 0
 
 
-def test_pd_pipeline_serves_an_awq_checkpoint(tiny_qwen2_vl, tmp_path, logs):
+def test_pd_pipeline_serves_an_awq_checkpoint_with_an_fp8_cache(tiny_qwen2_vl, tmp_path, logs):
     checkpoint = quantize_checkpoint(tiny_qwen2_vl, str(tmp_path / "awq"), "awq")
-    expected = reference_text(os.path.join(checkpoint, "reference"), MAX_NEW, SPEC.mm_kwargs)
+    ref = HFReference(os.path.join(checkpoint, "reference"), mm_processor_kwargs=SPEC.mm_kwargs, kv_cache_dtype="fp8")
+    expected = lambda case: ref.tokenizer.decode(  # noqa: E731
+        reference(ref, case, MAX_NEW).token_ids, skip_special_tokens=True
+    )
     server = start_server(
         checkpoint,
         *ARGS,
+        "--kv-cache-dtype",
+        "fp8",
         "--prefill-workers",
         "1",
         "--decode-workers",

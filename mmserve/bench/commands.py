@@ -142,6 +142,7 @@ def _engine(args: argparse.Namespace) -> int:
     dtype = resolve_dtype(model, args.dtype)
     concurrencies = [int(c) for c in args.concurrency.split(",")]
     quantizations = [q for q in (args.quantization or "").split(",") if q]
+    kv_dtypes = [d for d in (args.kv_cache_dtype or "").split(",") if d]
     results = engine_bench.run(
         model,
         concurrencies,
@@ -158,12 +159,13 @@ def _engine(args: argparse.Namespace) -> int:
         args.mkl_gemm,
         not args.no_profile,
         tuple(quantizations),
+        tuple(kv_dtypes),
     )
     print(engine_bench.report(results))
     print()
     print(engine_bench.step_report(results))
     parameters = {**vars(args), "model": model, "dtype": dtype, "concurrency": concurrencies}
-    parameters.update(quantization=quantizations)
+    parameters.update(quantization=quantizations, kv_cache_dtype=kv_dtypes)
     parameters.pop("func", None)
     _write_json(args.json, engine_bench.to_json(results, parameters))
     return 0
@@ -363,6 +365,12 @@ def add_bench_parser(sub) -> None:
         default=None,
         help="comma-separated: also run each engine with its weights quantized on load (e.g. int8,int4), side by "
         "side (every engine is held at once)",
+    )
+    p.add_argument(
+        "--kv-cache-dtype",
+        default=None,
+        help="comma-separated: also run each engine with its KV cache in that type (e.g. fp8), and beside each "
+        "--quantization engine too",
     )
     p.add_argument("--json", default=None, help="write every figure (both tables, per round) here")
     p.set_defaults(func=_engine)

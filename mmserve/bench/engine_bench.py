@@ -153,12 +153,14 @@ def run(
     mkl_gemm: bool = False,
     profile: bool = True,
     quantizations: tuple[str, ...] = (),
+    kv_cache_dtypes: tuple[str, ...] = (),
 ) -> dict[str, list[RunResult]]:
     """Every engine with `fp32_gemm` (`--fp32-gemm`), and beside each, in the same rounds: with `hf_layers` the
     same engine running transformers' layer code instead of its fused layers (`--disable-layer-fusion`); with
     `eager_ops` the same engine running PyTorch ops instead of mmserve's CPU kernels (`--disable-cpu-kernels`);
     with `mkl_gemm` the same engine with its fp32 GEMMs in MKL (`--fp32-gemm mkl`); for each of `quantizations`
-    the same engine with its weights quantized on load (`--quantization int8|int4`)."""
+    and `kv_cache_dtypes`, and each pair of them, the same engine with its weights quantized on load
+    (`--quantization int8|int4`) and its KV cache in that type (`--kv-cache-dtype fp8`)."""
     from mmserve.llm import LLM
 
     ref = HFReference(model_dir, dtype=dtype)
@@ -167,7 +169,11 @@ def run(
     variants += [(" hf-layers", {**base, "fuse_layers": False})] if hf_layers else []
     variants += [(" eager-ops", {**base, "cpu_kernels": False})] if eager_ops else []
     variants += [(" mkl-gemm", {"fp32_gemm": "mkl"})] if mkl_gemm else []
-    variants += [(f" {q}", {**base, "quantization": q}) for q in quantizations]
+    for q in (None, *quantizations):
+        for kv in ("auto", *kv_cache_dtypes):
+            if q is not None or kv != "auto":
+                name = (f" {q}" if q else "") + (f" kv-{kv}" if kv != "auto" else "")
+                variants.append((name, {**base, "quantization": q, "kv_cache_dtype": kv}))
     engines = {
         f"engine c={c}{suffix}": (
             c,
