@@ -50,6 +50,7 @@ def test_fp8_cache_every_mode(kv, tiny_qwen2_vl, oracles, oracle_qwen2_vl):
     assert any(oracle(c).token_ids != oracle_qwen2_vl(c).token_ids for c in cases)
     llm = make_llm(tiny_qwen2_vl, QWEN.mm_kwargs, kv_cache_dtype=kv)
     assert llm.engine.pool.dtype == (torch.float8_e4m3fn if kv == "fp8_e4m3" else torch.float8_e5m2)
+    assert llm.engine.runner.decode_stack is not None  # pure decode steps round their rows in the one op too
     run_and_compare(llm, oracle, cases, atol=ATOL)
     first = run_and_compare(llm, oracle, [QWEN.two([30, 31], "What is there?")], atol=ATOL)[0]
     again = run_and_compare(llm, oracle, [QWEN.two([30, 31], "What is there?")], atol=ATOL)[0]
@@ -122,14 +123,25 @@ def one_engine(model: str, params, **kw) -> list[list[int]]:
     return [out[str(i)] for i in range(len(PROMPTS))]
 
 
-def test_fp8_rows_travel_in_a_handoff(tiny_qwen2_vl):
+def test_fp8_cache_under_pressure_retracts_and_recomputes(tiny_qwen2_vl, oracles):
+    # 128 bytes per fp8 token (fp32: 512, tests/test_engine_parity.py): 0.0155 MB holds 126 tokens, so two of these
+    # prompts run out of room while decoding and the newer one is retracted, its rows recomputed and rounded again.
+    llm = make_llm(tiny_qwen2_vl, QWEN.mm_kwargs, kv_cache_mb=0.0155, disable_prefix_cache=True, kv_cache_dtype="fp8")
+    cases = [QWEN.one(50 + i, "Describe the image in detail.") for i in range(6)]
+    run_and_compare(llm, oracles("qwen2_vl", "fp8_e4m3"), cases, check_logits=False)
+    assert llm.engine.scheduler.stats.retractions > 0
+    assert_idle_and_clean(llm)
+
+
+@pytest.mark.parametrize("backend", ["zmq", "mooncake"])
+def test_fp8_rows_travel_in_a_handoff(tiny_qwen2_vl, backend):
     fp8 = {"kv_cache_dtype": "fp8"}
     params = [SamplingParams(max_tokens=6, temperature=0, ignore_eos=True) for _ in PROMPTS]
     expected = one_engine(tiny_qwen2_vl, params, **fp8)
     assert expected != one_engine(tiny_qwen2_vl, params)  # the rows' rounding shows in the tokens
     pair = Pair(tiny_qwen2_vl, p_kw={**fp8, "max_num_batched_tokens": 16}, d_kw=fp8)
     try:
-        rooms = [pair.submit(p, s) for p, s in zip(PROMPTS, params, strict=True)]
+        rooms = [pair.submit(p, s, backend) for p, s in zip(PROMPTS, params, strict=True)]
         pair.pump(pair.settled)
         assert [pair.tokens(r) for r in rooms] == expected
         assert pair.p.transfer.kv_bytes(1) * 4 == engine(tiny_qwen2_vl, "null").transfer.kv_bytes(1)  # fp32: 4x

@@ -205,7 +205,8 @@ def _kv(args: argparse.Namespace) -> int:
 
     model = resolve_model_path(args.model)
     lens = [int(x) for x in args.prompt_lens.split(",")]
-    rows = kv_bench.run(model, lens, resolve_dtype(model, args.dtype), args.repeats, args.kv_cache_mb)
+    dtype = resolve_dtype(model, args.dtype)
+    rows = kv_bench.run(model, lens, dtype, args.repeats, args.kv_cache_mb, args.kv_cache_dtype)
     print(kv_bench.report(rows))
     _write_json(args.json, rows)
     return 0
@@ -291,6 +292,7 @@ def _add_run_parser(bench) -> argparse.ArgumentParser:
 
 def add_bench_parser(sub) -> None:
     from mmserve.cli_args import add_fp32_gemm_arg, add_model_arg
+    from mmserve.config import KV_CACHE_DTYPES
 
     bench_parser = sub.add_parser(
         "bench", help="performance, measured side by side (default subcommand: run)"
@@ -404,6 +406,9 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--dtype", default="auto", help="as `serve --dtype`")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--kv-cache-mb", type=float, default=1024)
+    p.add_argument(
+        "--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES, help="both engines' KV cache type (as `serve`)"
+    )
     p.add_argument("--json", default=None, help="write the results as JSON here")
     p.set_defaults(func=_kv)
 

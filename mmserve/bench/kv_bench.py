@@ -24,12 +24,13 @@ from mmserve.sampling_params import SamplingParams
 from mmserve.transport import messages as m
 
 
-def _engines(model: str, dtype: str, kv_cache_mb: float) -> tuple[Engine, Engine]:
+def _engines(model: str, dtype: str, kv_cache_mb: float, kv_cache_dtype: str) -> tuple[Engine, Engine]:
     def make(mode: str) -> Engine:
         cfg = EngineConfig(
             model=model,
             dtype=dtype,
             kv_cache_mb=kv_cache_mb,
+            kv_cache_dtype=kv_cache_dtype,
             disaggregation_mode=mode,
             language_only=True,
             max_num_batched_tokens=8192,
@@ -96,9 +97,15 @@ def raw_zmq_seconds(nbytes: int, repeats: int) -> float:
 
 
 def run(
-    model: str, prompt_lens: list[int], dtype: str = "float32", repeats: int = 5, kv_cache_mb: float = 1024
+    model: str,
+    prompt_lens: list[int],
+    dtype: str = "float32",
+    repeats: int = 5,
+    kv_cache_mb: float = 1024,
+    kv_cache_dtype: str = "auto",
 ) -> list[dict]:
-    p, d = _engines(model, dtype, kv_cache_mb)
+    """Handoff times per backend; both engines keep their KV in `kv_cache_dtype` (fp8: half of bf16's bytes)."""
+    p, d = _engines(model, dtype, kv_cache_mb, kv_cache_dtype)
     ph, dh = Handoffs(p, None), Handoffs(d, None)
     rows = []
     try:

@@ -68,8 +68,6 @@ class Engine:
         )
         specs = self.family.layer_specs
         self.pool, self.window_pool = build_kv_pools(cfg, self.model_config, specs)
-        if self.pool.dtype != self.runner.dtype:  # an fp8 cache: the layers store through `attend`'s conversion
-            self.runner.decode_stack = None
         self.window = window_of(specs)
         self.states = build_state_pool(cfg, specs)
         # A decode server never prefills, so a prefix cache would only hold slots (mmserve.disagg).

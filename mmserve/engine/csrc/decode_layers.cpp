@@ -8,7 +8,8 @@
 // post-attention RMSNorm, the gate/up GEMM, SiLU-and-mul and the down GEMM. The GEMMs are oneDNN's packed ones
 // (`mkldnn::_linear_pointwise`, as PackedLinear calls them) or `at::linear` for weights left unpacked, so the
 // result is bitwise the Python layers'. `decode_layers_quant` runs the same layers over quantized weights
-// (mmserve/quant), each linear layer through `quant_linear` as QuantLinear calls it.
+// (mmserve/quant), each linear layer through `quant_linear` as QuantLinear calls it. An fp8 pool
+// (`--kv-cache-dtype`) gets its rows rounded as the Python layers round them (mmserve.engine.cache.kv_dtype).
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
@@ -105,7 +106,14 @@ std::tuple<Tensor, Tensor> layer(const Ops& ops, const Tensor& x, const std::opt
   const Tensor qk = qkv.narrow(1, 0, qk_width).view({t, heads + kv_heads, dim});
   ops.rope.call(qk, cos, sin);  // in place: qkv is this layer's own
   const Tensor value = qkv.narrow(1, qk_width, kv_heads * dim).view({t, kv_heads, dim});
-  ops.store_kv.call(k_cache, v_cache, new_slots, qk.narrow(1, heads, kv_heads), value);
+  const Tensor key = qk.narrow(1, heads, kv_heads);
+  if (k_cache.scalar_type() == x.scalar_type()) {
+    ops.store_kv.call(k_cache, v_cache, new_slots, key, value);
+  } else {  // an fp8 pool: the rows rounded as kv_dtype.to_cache does it (saturated, then cast)
+    const double top = k_cache.scalar_type() == at::kFloat8_e4m3fn ? 448.0 : 57344.0;
+    auto to_cache = [&](const Tensor& t) { return at::clamp(t, -top, top).to(k_cache.scalar_type()); };
+    ops.store_kv.call(k_cache, v_cache, new_slots, to_cache(key), to_cache(value));
+  }
   Tensor attended = at::empty({t, heads, dim}, x.options());
   ops.attention.call(attended, qk.narrow(1, 0, heads), rows, k_cache, v_cache, slots, lengths, scale);
   const Tensor attn = linear(ops, lin[1], attended.view({t, heads * dim}), b[1]);
