@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from mmserve.cli_args import engine_config_from_args
 from mmserve.cpu_info import cpu_flags
+from mmserve.engine.cache.kv_dtype import to_cache
 from mmserve.engine.cpu_kernels import kernels_for
 from mmserve.engine.fused_layers import rms_norm
 from mmserve.engine.layers.attention import AttentionMetadata, DecodeGroup, SeqAttention, _decode_attention
@@ -132,6 +133,33 @@ def test_decode_attention_matches_sdpa(kernels, dtype, heads, kv_heads, dim, run
     others = torch.ones(out.shape[0], dtype=torch.bool)
     others[group.row_ids] = False
     assert torch.all(out[others] == 7.0)  # only the decode rows are written
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("heads,kv_heads,dim,runs", [(14, 2, 64, True), (12, 2, 128, False), (6, 2, 80, False)])
+def test_decode_attention_reads_an_fp8_pool_as_its_widened_values(kernels, dtype, fp8, heads, kv_heads, dim, runs):
+    """An fp8 pool (`--kv-cache-dtype`) gives exactly what a pool of the query's dtype holding the same values
+    gives: each row is widened (exactly) as it is loaded, on the AMX tiles and the AVX-512 loops alike."""
+    query, k_cache, v_cache, group = decode_case(dtype, 6, heads, kv_heads, dim, seed=dim, runs=runs)
+    k8, v8 = (to_cache(c * 40, fp8) for c in (k_cache, v_cache))  # * 40: past e4m3's 448, saturated
+    outs = []
+    for k, v in ((k8, v8), (k8.to(dtype), v8.to(dtype))):
+        out = torch.zeros_like(query)
+        kernels.decode_attention_(out, query, group.row_ids, k, v, group.slots, group.lengths, 0.1)
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
+    assert torch.isfinite(outs[0]).all()
+
+
+def test_store_kv_writes_fp8_rows_as_they_are(kernels):
+    pool = torch.zeros(8, 2, 16, dtype=torch.float8_e4m3fn)
+    values = torch.zeros_like(pool)
+    rows = to_cache(torch.randn(3, 2, 16) * 300, torch.float8_e4m3fn)
+    slots = torch.tensor([5, 1, 6])
+    kernels.store_kv_(pool, values, slots, rows, rows)
+    assert torch.equal(pool[slots].view(torch.uint8), rows.view(torch.uint8))
+    assert pool.float().abs().max() <= 448
 
 
 def test_decode_attention_refuses_bad_indices(kernels):

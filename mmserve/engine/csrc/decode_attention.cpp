@@ -5,8 +5,8 @@
 // head's dims in registers, with the rows prefetched ahead; portable loops do the same multiply-adds in the
 // same order elsewhere. The softmax follows SDPA's CPU kernel. In bf16 on a CPU with AMX (and a kernel that
 // grants its tiles), head sizes 64 and 128 run on AMX instead (decode_attention_amx.h). An fp8 pool
-// (`--kv-cache-dtype`) is read by the AVX-512 loops, each row widened to float as it is loaded: half the bytes
-// of a bf16 row, and the same float math after the load.
+// (`--kv-cache-dtype`) is read by the same paths, each row widened (exactly) as it is loaded: half the bytes of
+// a bf16 row, and the same math after the load.
 #include <torch/library.h>
 
 #include <immintrin.h>
@@ -306,9 +306,9 @@ void decode_attention_(Tensor out, const Tensor& query, const Tensor& rows, cons
       }
     };
 #if defined(MMSERVE_HAVE_AMX)
-    if constexpr (std::is_same_v<scalar_t, BFloat16> && std::is_same_v<cache_t, BFloat16>) {
+    if constexpr (std::is_same_v<scalar_t, BFloat16>) {  // a bf16 or an fp8 pool
       if ((dim == 64 || dim == 128) && group >= 2 && group <= 16 && amx_permitted()) {
-        const auto one = dim == 64 ? attend_amx<64> : attend_amx<128>;
+        const auto one = dim == 64 ? attend_amx<64, cache_t> : attend_amx<128, cache_t>;
         at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
           const AmxConfig config(static_cast<int>(group));
           _tile_loadconfig(&config);

@@ -9,6 +9,7 @@
 //                                    . V (pairs of slots x dims, interleaved from two slots' rows).
 // bf16 products are exact in float; only the order of the float sums differs from the AVX-512 loops (the
 // kernel test compares both with SDPA at bf16's tolerance). The softmax runs with the heads as vector lanes.
+// An fp8 pool's rows are widened to bf16 (exactly) as they are gathered into the K and V tiles.
 #pragma once
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BW__)
@@ -17,6 +18,7 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <type_traits>
 #include <vector>
 
 #include "avx512.h"
@@ -81,16 +83,24 @@ inline bool consecutive(const int64_t* slots) {
   return true;
 }
 
-template <int kDim>
-inline void prefetch_rows(const BFloat16* cache, const int64_t* slots, int64_t from, int64_t to,
-                          int64_t row_stride, int64_t offset) {
-  for (int64_t u = from; u < to; ++u) prefetch_row<BFloat16, kDim>(cache + slots[u] * row_stride + offset);
+template <int kDim, typename C>
+inline void prefetch_rows(const C* cache, const int64_t* slots, int64_t from, int64_t to, int64_t row_stride,
+                          int64_t offset) {
+  for (int64_t u = from; u < to; ++u) prefetch_row<C, kDim>(cache + slots[u] * row_stride + offset);
+}
+
+// 32 elements of a pool row as 32 bf16 (a tile row): a bf16 pool's as they are, an fp8 pool's widened (every
+// e4m3 and e5m2 value is a bf16 value, so the widening is exact).
+inline __m512i load32_bf16(const BFloat16* p) { return _mm512_loadu_si512(p); }
+template <typename C>
+inline __m512i load32_bf16(const C* p) {
+  return (__m512i)_mm512_cvtne2ps_pbh(load16(p + 16), load16(p));
 }
 
 // One request's `group` heads of KV head `kv_head` against its `len` slots (bf16, kDim 64 or 128), with the
 // caller's tile configuration (AmxConfig(group)) loaded.
-template <int kDim>
-void attend_amx(const BFloat16* q, int64_t q_head_stride, const BFloat16* k_cache, const BFloat16* v_cache,
+template <int kDim, typename C = BFloat16>
+void attend_amx(const BFloat16* q, int64_t q_head_stride, const C* k_cache, const C* v_cache,
                 const int64_t* slots, int64_t len, int64_t kv_heads, int64_t kv_head, int64_t group, float scale,
                 BFloat16* out, int64_t out_head_stride, AmxScratch& s) {
   static_assert(kDim == 64 || kDim == 128, "AMX decode attention: head size 64 or 128");
@@ -113,14 +123,13 @@ void attend_amx(const BFloat16* q, int64_t q_head_stride, const BFloat16* k_cach
     prefetch_rows<kDim>(k_cache, slots, j0 + 32, std::min(j0 + 48, len), row_stride, offset);  // two blocks on
     const BFloat16* base;
     int64_t stride;
-    if (n == 16 && consecutive(slots + j0)) {  // the pool's rows as they are (a prompt's slots are a run)
-      base = k_cache + slots[j0] * row_stride + offset;
+    if (std::is_same_v<C, BFloat16> && n == 16 && consecutive(slots + j0)) {  // the pool's rows as they are
+      base = reinterpret_cast<const BFloat16*>(k_cache + slots[j0] * row_stride + offset);  // (a prompt's run)
       stride = row_stride * 2;
-    } else {  // gathered; past the end, the last slot again (a duplicate score changes no maximum)
+    } else {  // gathered (fp8: widened); past the end, the last slot again (a duplicate changes no maximum)
       for (int u = 0; u < 16; ++u) {
-        const BFloat16* row = k_cache + slots[j0 + std::min<int64_t>(u, n - 1)] * row_stride + offset;
-        for (int x = 0; x < kDim; x += 32)
-          _mm512_storeu_si512(s.k_rows.data() + u * kDim + x, _mm512_loadu_si512(row + x));
+        const C* row = k_cache + slots[j0 + std::min<int64_t>(u, n - 1)] * row_stride + offset;
+        for (int x = 0; x < kDim; x += 32) _mm512_storeu_si512(s.k_rows.data() + u * kDim + x, load32_bf16(row + x));
       }
       base = s.k_rows.data();
       stride = kDim * 2;
@@ -175,14 +184,14 @@ void attend_amx(const BFloat16* q, int64_t q_head_stride, const BFloat16* k_cach
         const int64_t j = j0 + 2 * pair;
         __m512i r0[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()}, r1[2] = {r0[0], r0[1]};
         if (j < len) {
-          const BFloat16* v = v_cache + slots[j] * row_stride + offset + half * 64;
-          r0[0] = _mm512_loadu_si512(v);
-          r0[1] = _mm512_loadu_si512(v + 32);
+          const C* v = v_cache + slots[j] * row_stride + offset + half * 64;
+          r0[0] = load32_bf16(v);
+          r0[1] = load32_bf16(v + 32);
         }
         if (j + 1 < len) {
-          const BFloat16* v = v_cache + slots[j + 1] * row_stride + offset + half * 64;
-          r1[0] = _mm512_loadu_si512(v);
-          r1[1] = _mm512_loadu_si512(v + 32);
+          const C* v = v_cache + slots[j + 1] * row_stride + offset + half * 64;
+          r1[0] = load32_bf16(v);
+          r1[1] = load32_bf16(v + 32);
         }
         for (int x = 0; x < 2; ++x) {
           _mm512_storeu_si512(vp + (2 * x) * 512 + pair * 32, _mm512_permutex2var_epi16(r0[x], lo, r1[x]));
