@@ -195,3 +195,18 @@ def test_cli_makes_a_quantized_tiny_model(tmp_path):
     assert config["quantization_config"]["quant_method"] == "awq"
     assert any(k.endswith("q_proj.qweight") for k in load_file(out / "model.safetensors"))
     assert os.path.exists(out / "reference" / "model.safetensors")
+
+
+def test_every_fp8_code_expands_to_its_value(kernels):
+    """All 254 finite e4m3 codes, subnormals and signed zeros included, through the kernels' integer expansion:
+    exactly torch's float8_e4m3fn values (times a scale of 1), in fp32 and bf16."""
+    codes = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8)
+    data = codes.repeat(2, 1)[:, :224].contiguous()  # 2 rows of 224 codes (7 runs of 32)
+    scales = torch.ones(2, 7)
+    want = data.view(torch.float8_e4m3fn).float()
+    for dtype in (torch.float32, torch.bfloat16):
+        got = kernels.dequantize_weight(data, scales, None, KIND_CODES["fp8"], 32, 224, dtype)
+        assert torch.equal(got.float(), want.to(dtype).float())
+        x = torch.eye(224, dtype=dtype)[:3]  # rows picking single codes: the products are the values
+        y = kernels.quant_linear(x, data, scales, None, KIND_CODES["fp8"], 32, None)
+        assert torch.equal(y.float(), want[:, :3].t().to(dtype).float())

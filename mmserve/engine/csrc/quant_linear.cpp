@@ -21,6 +21,7 @@
 #include <torch/library.h>
 
 #include "cpu_common.h"
+#include "avx512.h"
 #include "decode_attention_amx.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
@@ -112,11 +113,8 @@ inline void expand_row(const Codes& c, int64_t n, Fn&& fn) {
           const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + i + 16 * p));
           if (c.kind == kInt8) {
             v[p] = _mm512_mul_ps(_mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)), z), s);
-          } else {  // fp8_value on 16 lanes, then the scale: one rounding, as the scalar path
-            const __m512i u = _mm512_cvtepu8_epi32(b);
-            const __m512i bits = _mm512_or_si512(_mm512_slli_epi32(_mm512_and_si512(u, _mm512_set1_epi32(0x80)), 24),
-                                                 _mm512_slli_epi32(_mm512_and_si512(u, _mm512_set1_epi32(0x7f)), 20));
-            v[p] = _mm512_mul_ps(_mm512_mul_ps(_mm512_castsi512_ps(bits), _mm512_set1_ps(0x1p120f)), s);
+          } else {  // the code's value (exact), then the scale: one rounding, as the scalar path
+            v[p] = _mm512_mul_ps(e4m3_to_ps(_mm512_cvtepu8_epi32(b)), s);
           }
         }
         fn(i, v[0], v[1]);
@@ -329,11 +327,8 @@ struct BlockExpander {
           const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + i + 16 * p));
           if (c.kind == kInt8) {
             v[p] = _mm512_mul_ps(_mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)), zero[j]), scale[j]);
-          } else {  // fp8_value on 16 lanes, then the scale (expand_row's steps)
-            const __m512i u = _mm512_cvtepu8_epi32(b);
-            const __m512i bits = _mm512_or_si512(_mm512_slli_epi32(_mm512_and_si512(u, _mm512_set1_epi32(0x80)), 24),
-                                                 _mm512_slli_epi32(_mm512_and_si512(u, _mm512_set1_epi32(0x7f)), 20));
-            v[p] = _mm512_mul_ps(_mm512_mul_ps(_mm512_castsi512_ps(bits), _mm512_set1_ps(0x1p120f)), scale[j]);
+          } else {  // the code's value (exact), then the scale (expand_row's steps)
+            v[p] = _mm512_mul_ps(e4m3_to_ps(_mm512_cvtepu8_epi32(b)), scale[j]);
           }
         }
         out = (__m512i)_mm512_cvtne2ps_pbh(v[1], v[0]);
