@@ -110,6 +110,16 @@ class RecordingSampler(Sampler):
         return torch.stack(self.rows[id(params)])
 
 
+def recorded_greedy_chat(llm, cases: list[Case], max_new_tokens: int):
+    """(outputs, params, recorder): `cases` run together, greedy with `max_new_tokens`, every logits row kept."""
+    from mmserve import SamplingParams
+
+    recorder = RecordingSampler()
+    llm.engine.sampler = recorder
+    params = [SamplingParams(temperature=0, max_tokens=max_new_tokens, ignore_eos=True) for _ in cases]
+    return llm.chat([c.messages for c in cases], params), params, recorder
+
+
 def reference_text(
     model_dir: str, max_new_tokens: int, mm_processor_kwargs: dict | None = None, dtype: str = "float32"
 ):

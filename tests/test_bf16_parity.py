@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mmserve import LLM, SamplingParams
-from tests.engine_helpers import RecordingSampler
+from mmserve import LLM
+from tests.engine_helpers import recorded_greedy_chat
 from tests.families import FAMILIES
 from tests.test_engine_parity import MAX_NEW, assert_idle_and_clean, make_llm, make_oracle
 
@@ -29,10 +29,7 @@ def bf16_llm(model_dir: str, **kwargs) -> LLM:
 
 
 def run(llm: LLM, oracle, cases) -> list:
-    recorder = RecordingSampler()
-    llm.engine.sampler = recorder
-    params = [SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True) for _ in cases]
-    outputs = llm.chat([c.messages for c in cases], params)
+    outputs, params, recorder = recorded_greedy_chat(llm, cases, MAX_NEW)
     for case, out, p in zip(cases, outputs, params, strict=True):
         ref = oracle(case)
         assert out.token_ids == ref.token_ids

@@ -18,6 +18,7 @@ from tests.engine_helpers import reference
 from tests.families import FAMILIES
 from tests.test_engine_parity import MAX_NEW, assert_idle_and_clean, make_llm, run_and_compare
 from tests.test_kv_handoff import PROMPTS, Pair, engine
+from tests.test_kv_handoff import reference as one_engine
 from tests.test_quantized_parity import run_bf16
 
 QWEN = FAMILIES["qwen2_vl"]
@@ -111,34 +112,12 @@ def test_fp8_cache_beside_quantized_weights(tiny_qwen2_vl, tmp_path):
     assert_idle_and_clean(llm)
 
 
-def one_engine(model: str, params, **kw) -> list[list[int]]:
-    """Greedy tokens of PROMPTS on one engine (fp8: itself held to HF above): what a handoff must continue."""
-    e = engine(model, "null", **kw)
-    for i, (prompt, p) in enumerate(zip(PROMPTS, params, strict=True)):
-        e.add_request(str(i), prompt, p, [])
-    out: dict[str, list[int]] = {}
-    while e.has_work:
-        for o in e.step():
-            out.setdefault(o.request_id, []).append(o.token_id)
-    return [out[str(i)] for i in range(len(PROMPTS))]
-
-
-def test_fp8_cache_under_pressure_retracts_and_recomputes(tiny_qwen2_vl, oracles):
-    # 128 bytes per fp8 token (fp32: 512, tests/test_engine_parity.py): 0.0155 MB holds 126 tokens, so two of these
-    # prompts run out of room while decoding and the newer one is retracted, its rows recomputed and rounded again.
-    llm = make_llm(tiny_qwen2_vl, QWEN.mm_kwargs, kv_cache_mb=0.0155, disable_prefix_cache=True, kv_cache_dtype="fp8")
-    cases = [QWEN.one(50 + i, "Describe the image in detail.") for i in range(6)]
-    run_and_compare(llm, oracles("qwen2_vl", "fp8_e4m3"), cases, check_logits=False)
-    assert llm.engine.scheduler.stats.retractions > 0
-    assert_idle_and_clean(llm)
-
-
 @pytest.mark.parametrize("backend", ["zmq", "mooncake"])
 def test_fp8_rows_travel_in_a_handoff(tiny_qwen2_vl, backend):
     fp8 = {"kv_cache_dtype": "fp8"}
     params = [SamplingParams(max_tokens=6, temperature=0, ignore_eos=True) for _ in PROMPTS]
-    expected = one_engine(tiny_qwen2_vl, params, **fp8)
-    assert expected != one_engine(tiny_qwen2_vl, params)  # the rows' rounding shows in the tokens
+    expected = one_engine(tiny_qwen2_vl, PROMPTS, params, **fp8)  # itself held to HF above
+    assert expected != one_engine(tiny_qwen2_vl, PROMPTS, params)  # the rows' rounding shows in the tokens
     pair = Pair(tiny_qwen2_vl, p_kw={**fp8, "max_num_batched_tokens": 16}, d_kw=fp8)
     try:
         rooms = [pair.submit(p, s, backend) for p, s in zip(PROMPTS, params, strict=True)]

@@ -114,8 +114,9 @@ def pair(tiny_qwen2_vl):
     pair.close()
 
 
-def reference(model: str, prompts, params) -> list[list[int]]:
-    e = engine(model, "null")
+def reference(model: str, prompts, params, **kw) -> list[list[int]]:
+    """Greedy or seeded tokens of `prompts` on one engine (with engine options `kw`)."""
+    e = engine(model, "null", **kw)
     for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
         e.add_request(str(i), prompt, p, [])
     out: dict[str, list[int]] = {}

@@ -16,10 +16,9 @@ import os
 import pytest
 import torch
 
-from mmserve import SamplingParams
 from mmserve.quant.linear import QuantLinear
 from mmserve.testing.kit_quant import FORMATS, dequantized_reference, quantize_checkpoint
-from tests.engine_helpers import RecordingSampler
+from tests.engine_helpers import recorded_greedy_chat
 from tests.families import FAMILIES
 from tests.test_engine_parity import MAX_NEW, assert_idle_and_clean, make_llm, make_oracle, run_and_compare
 
@@ -61,10 +60,7 @@ def run_bf16(llm, oracle, cases) -> None:
     """bf16 against HF in bf16: greedy tokens equal up to a step where HF's two best logits tie at bf16's
     precision (one step of its 8-bit mantissa apart or less: the quantized GEMV's summation order, not
     oneDNN's, picks one of them); logits close up to there (tests/test_bf16_parity.py says how close)."""
-    recorder = RecordingSampler()
-    llm.engine.sampler = recorder
-    params = [SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True) for _ in cases]
-    outputs = llm.chat([c.messages for c in cases], params)
+    outputs, params, recorder = recorded_greedy_chat(llm, cases, MAX_NEW)
     for case, out, p in zip(cases, outputs, params, strict=True):
         ref = oracle(case)
         for step, (got, want) in enumerate(zip(out.token_ids, ref.token_ids, strict=True)):
