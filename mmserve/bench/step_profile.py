@@ -74,8 +74,12 @@ def streamed_bytes(runner) -> int:
 
 def gemm_call(layer: torch.nn.Module, x: torch.Tensor):
     """(op, args): the GEMM `layer(x)` runs, called without the module around it."""
-    if isinstance(layer, QuantLinear):  # the layer's own dispatch: the kernel for decode rows (one C++ call)
-        return layer, (x,)
+    if isinstance(layer, QuantLinear):
+        w = layer.qweight
+        if layer.kernels is not None and w.perm is None and x.shape[0] <= layer.kernel_rows(x.dtype):
+            args = (x, w.data, w.scales, w.zeros, layer.kind_code, w.group, layer.bias)
+            return layer.kernels.quant_linear, args  # what the decode stack calls
+        return layer, (x,)  # act-order inputs gathered, or a prefill's rows: the layer's own dispatch
     if isinstance(layer, PackedLinear):
         return torch.ops.mkldnn._linear_pointwise.default, (x, layer.packed, layer.bias, "none", [], "")
     return torch._C._nn.linear, (x, layer.weight, layer.bias)

@@ -19,15 +19,13 @@ every layer in one op (`DecodeStack`).
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 
 from mmserve.engine.layers.attention import AttentionMetadata, attend
 from mmserve.engine.packed_linear import PackedLinear
 from mmserve.models.layer_specs import AttentionSpec
-from mmserve.quant.linear import AMX_ROWS, GEMV_ROWS, QuantLinear, StackedLinear, concat_quantized
+from mmserve.quant.linear import QuantLinear, StackedLinear, concat_quantized
 
 # HF decoder layers of exactly this shape: pre-norm RMSNorm, q/k/v with bias, no q/k norm, a SiLU-gated MLP.
 FUSABLE_LAYERS = ("Qwen2DecoderLayer", "Qwen2VLDecoderLayer", "Qwen2_5_VLDecoderLayer")
@@ -159,14 +157,9 @@ class DecodeStack:
             qkv, o, gate_up, down = (m.packed if self.packed else m.weight for m in linears)
             self.weights += [layer.input_norm, qkv, o, layer.post_norm, gate_up, down]
         self.layer_ids = [layer.layer_idx for layer in layers]
-        if self.quantized:  # the dense op's arguments, with the codes in place of the weights
-            codes = (self.codes, self.scales, self.zeros, self.kinds, self.groups, self.biases, self.eps)
-            self.op = functools.partial(_quantized_stack, kernels.decode_layers_quant, self.weights, *codes)
-            amx = kernels.quant_linear_amx and first.input_norm.dtype == torch.bfloat16
-            self.max_rows = AMX_ROWS if amx else GEMV_ROWS  # beyond: QuantLinear's dequantize-and-GEMM path
-        else:
-            self.op = kernels.decode_layers
-            self.max_rows = None
+        self.op = kernels.decode_layers_quant if self.quantized else kernels.decode_layers
+        # quantized: as many rows as quant_linear serves (beyond, the Python layers dequantize for a GEMM)
+        self.max_rows = first.qkv_proj.kernel_rows(first.input_norm.dtype) if self.quantized else None
 
     def takes(self, rows: int) -> bool:
         """Whether a pure decode step of `rows` rows runs here (quantized layers: as many as quant_linear
@@ -189,30 +182,14 @@ class DecodeStack:
         decorators, and a causal mask that the pool attention never reads."""
         cos, sin = rotary_rows(meta, self.text_model.rotary_emb(inputs, position_ids), inputs.dtype)
         group = meta.decode
-        hidden = self.op(
-            inputs[0],
-            self.weights,
-            self.biases,
-            self.eps,
-            *self.shape,
-            self.packed,
-            cos,
-            sin,
-            [meta.k_cache[i] for i in self.layer_ids],
-            [meta.v_cache[i] for i in self.layer_ids],
-            meta.new_slots,
-            group.row_ids,
-            group.slots,
-            group.lengths,
-            self.scale,
-        )
+        caches = ([meta.k_cache[i] for i in self.layer_ids], [meta.v_cache[i] for i in self.layer_ids])
+        step = (*caches, meta.new_slots, group.row_ids, group.slots, group.lengths, self.scale)
+        if self.quantized:  # the norms as weights, each linear layer as its codes
+            codes = (self.codes, self.scales, self.zeros, self.kinds, self.groups)
+            hidden = self.op(inputs[0], self.weights, *codes, self.biases, self.eps, *self.shape, cos, sin, *step)
+        else:
+            hidden = self.op(inputs[0], self.weights, self.biases, self.eps, *self.shape, self.packed, cos, sin, *step)
         return self.text_model.norm(hidden.unsqueeze(0))
-
-
-def _quantized_stack(op, norms, codes, scales, zeros, kinds, groups, biases, eps, x, _weights, _biases, _eps,
-                     heads, kv_heads, _packed, *rest):
-    """decode_layers' call turned into decode_layers_quant's (DecodeStack with quantized layers)."""
-    return op(x, norms, codes, scales, zeros, kinds, groups, biases, eps, heads, kv_heads, *rest)
 
 
 def fusable(layer: torch.nn.Module, spec) -> bool:

@@ -93,7 +93,8 @@ class ModelRunner:
             if quantize_lm_head:
                 self.lm_head = quantize_head(self.lm_head, quantization, self.dtype)
         self.kernels = kernels_for(self.device, self.dtype, cpu_kernels)  # None: the eager ops
-        self.quantized = attach_kernels(self.language_model, self.kernels) + attach_kernels(self.lm_head, self.kernels)
+        attach_kernels(self.language_model, self.kernels)  # quantized layers: a checkpoint's, or those just made
+        attach_kernels(self.lm_head, self.kernels)
         self.packed = pack_weights and can_pack(self.dtype, self.device, fp32_gemm)
         if self.packed:  # oneDNN's layout once, not on every call (bf16: bitwise the same outputs)
             pack_linears(self.language_model)

@@ -47,8 +47,7 @@ class QuantLinear(torch.nn.Module):
         kernels = self.kernels
         if kernels is not None and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16):
             x = x.contiguous()
-            amx = kernels.quant_linear_amx and x.dtype == torch.bfloat16
-            if x.shape[0] <= (AMX_ROWS if amx else GEMV_ROWS):
+            if x.shape[0] <= self.kernel_rows(x.dtype):
                 y = kernels.quant_linear(x, w.data, w.scales, w.zeros, self.kind_code, w.group, self.bias)
             else:
                 dense = kernels.dequantize_weight(
@@ -58,6 +57,13 @@ class QuantLinear(torch.nn.Module):
         else:
             y = F.linear(x, w.codes_dequantized(x.dtype), self.bias)
         return y.reshape(*lead, self.out_features)
+
+    def kernel_rows(self, dtype: torch.dtype) -> int:
+        """Rows of `dtype` up to which `quant_linear` runs them (beyond: dequantize and a GEMM); 0 without
+        the kernels."""
+        if self.kernels is None:
+            return 0
+        return AMX_ROWS if self.kernels.quant_linear_amx and dtype == torch.bfloat16 else GEMV_ROWS
 
     def extra_repr(self) -> str:
         w = self.qweight

@@ -84,6 +84,14 @@ struct Codes {
 };
 
 #ifdef MMSERVE_QUANT_SIMD
+// 16 int8 or fp8 codes (16 bytes at p) dequantized: (q - z) * s, or the fp8 code's value times s; one rounding
+// each, as the scalar path (row_scalar) does it.
+inline __m512 dequantize16(int64_t kind, const uint8_t* p, __m512 z, __m512 s) {
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  if (kind == kInt8) return _mm512_mul_ps(_mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)), z), s);
+  return _mm512_mul_ps(e4m3_to_ps(_mm512_cvtepu8_epi32(b)), s);
+}
+
 // Row n's dequantized weights as 16-float vectors, 32 inputs at a time: fn(offset, first 16, next 16).
 template <typename Fn>
 inline void expand_row(const Codes& c, int64_t n, Fn&& fn) {
@@ -108,16 +116,7 @@ inline void expand_row(const Codes& c, int64_t n, Fn&& fn) {
     } else {
       for (int64_t i = g * c.group; i < end; i += 32) {
         if (i % 64 == 0) prefetch_codes(row + i);
-        __m512 v[2];
-        for (int p = 0; p < 2; ++p) {
-          const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + i + 16 * p));
-          if (c.kind == kInt8) {
-            v[p] = _mm512_mul_ps(_mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)), z), s);
-          } else {  // the code's value (exact), then the scale: one rounding, as the scalar path
-            v[p] = _mm512_mul_ps(e4m3_to_ps(_mm512_cvtepu8_epi32(b)), s);
-          }
-        }
-        fn(i, v[0], v[1]);
+        fn(i, dequantize16(c.kind, row + i, z, s), dequantize16(c.kind, row + i + 16, z, s));
       }
     }
   }
@@ -211,10 +210,7 @@ inline void dot_rows(const Codes& c, int64_t n, const BFloat16* x, float* out) {
       for (int64_t i = g * c.group; i < end; i += 64) {
         prefetch_codes(row + i);
         __m512 v[4];
-        for (int p = 0; p < 4; ++p) {
-          const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + i + 16 * p));
-          v[p] = _mm512_mul_ps(_mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)), z), s);
-        }
+        for (int p = 0; p < 4; ++p) v[p] = dequantize16(kInt8, row + i + 16 * p, z, s);
         const __m512bh lo = _mm512_cvtne2ps_pbh(v[1], v[0]), hi = _mm512_cvtne2ps_pbh(v[3], v[2]);
         for (int r = 0; r < m; ++r) {
           const BFloat16* xr = x + r * c.k + i;
@@ -322,16 +318,9 @@ struct BlockExpander {
         out = _mm512_permutexvar_epi16(idx, table[j]);
       } else {
         if (i % 64 == 0) __builtin_prefetch(row + ahead + i, 0, 3);
-        __m512 v[2];
-        for (int p = 0; p < 2; ++p) {
-          const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + i + 16 * p));
-          if (c.kind == kInt8) {
-            v[p] = _mm512_mul_ps(_mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)), zero[j]), scale[j]);
-          } else {  // the code's value (exact), then the scale (expand_row's steps)
-            v[p] = _mm512_mul_ps(e4m3_to_ps(_mm512_cvtepu8_epi32(b)), scale[j]);
-          }
-        }
-        out = (__m512i)_mm512_cvtne2ps_pbh(v[1], v[0]);
+        const __m512 v0 = dequantize16(c.kind, row + i, zero[j], scale[j]);
+        const __m512 v1 = dequantize16(c.kind, row + i + 16, zero[j], scale[j]);
+        out = (__m512i)_mm512_cvtne2ps_pbh(v1, v0);
       }
       _mm512_store_si512(tile + j * 32, out);
     }
