@@ -6,6 +6,7 @@ rounding changes HF's own tokens on these models, so an engine that kept its row
 
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
@@ -146,3 +147,20 @@ def test_peers_with_different_cache_types_are_refused_naming_them(tiny_qwen2_vl)
         assert "float8_e4m3fn" in failures[0].failure.message and "float32" in failures[0].failure.message
     finally:
         pair.close()
+
+
+def test_bench_kv_moves_fp8_rows(tiny_qwen2_vl, tmp_path):
+    """`mmserve bench kv --kv-cache-dtype fp8`: both engines keep fp8 rows, so a handoff moves a quarter of the
+    fp32 rows' bytes, over every backend."""
+    from tests.test_bench_cli import run_cli
+
+    sizes = {}
+    for kv in ("auto", "fp8"):
+        out = tmp_path / f"{kv}.json"
+        args = ["--prompt-lens", "32", "--repeats", "1", "--kv-cache-mb", "4", "--kv-cache-dtype", kv]
+        done = run_cli("bench", "kv", "--model", tiny_qwen2_vl, *args, "--json", str(out))
+        assert done.returncode == 0, done.stderr[-3000:]
+        (row,) = json.loads(out.read_text())
+        assert row["zmq_ms"] > 0 and row["mooncake_ms"] > 0
+        sizes[kv] = row["kv_mb"]
+    assert sizes["auto"] == 4 * sizes["fp8"] > 0
