@@ -48,7 +48,7 @@ def quantize_checkpoint(src: str, out: str, fmt: str, seed: int = 0) -> str:
     if fmt in CT_FORMATS:
         return _compressed_tensors(src, out, fmt)
     os.makedirs(out, exist_ok=True)
-    _copy_side_files(src, out)
+    _copy_missing(src, out)
     state = load_file(os.path.join(src, "model.safetensors"))
     dense = dict(state)
     gen = torch.Generator().manual_seed(seed)
@@ -68,7 +68,7 @@ def quantize_checkpoint(src: str, out: str, fmt: str, seed: int = 0) -> str:
     _write_json(out, "config.json", config)
     ref = os.path.join(out, "reference")
     os.makedirs(ref, exist_ok=True)
-    _copy_side_files(src, ref)
+    _copy_missing(src, ref)
     save_file(dense, os.path.join(ref, "model.safetensors"), metadata={"format": "pt"})
     return out
 
@@ -112,17 +112,6 @@ def _shared_order(key: str, seed: int) -> torch.Generator:
     path for codes that cannot share a layer is exercised too."""
     shared = key.replace("k_proj", "q_proj").replace("v_proj", "q_proj").replace("up_proj", "gate_proj")
     return torch.Generator().manual_seed(seed + sum(shared.encode()) * 7919)
-
-
-def _copy_side_files(src: str, out: str) -> None:
-    for name in os.listdir(src):
-        path = os.path.join(src, name)
-        if (
-            os.path.isfile(path)
-            and not name.endswith(".safetensors")
-            and name != "model.safetensors.index.json"
-        ):
-            shutil.copy(path, os.path.join(out, name))
 
 
 def _write_json(out: str, name: str, value: dict) -> None:
@@ -306,12 +295,9 @@ def _compressed_tensors(src: str, out: str, fmt: str) -> str:
 
 
 def _copy_missing(src: str, out: str) -> None:
-    """The tokenizer's and processors' files of `src` that `out` lacks."""
+    """The files of `src` besides its weights (config, tokenizer, processors) that `out` lacks."""
     for name in os.listdir(src):
         path = os.path.join(src, name)
-        if (
-            os.path.isfile(path)
-            and not os.path.exists(os.path.join(out, name))
-            and not name.endswith(".safetensors")
-        ):
+        weights = name.endswith(".safetensors") or name == "model.safetensors.index.json"
+        if os.path.isfile(path) and not weights and not os.path.exists(os.path.join(out, name)):
             shutil.copy(path, os.path.join(out, name))

@@ -69,12 +69,12 @@ def attend(layer: int, query, key, value, meta: AttentionMetadata, scaling: floa
     elif kernels is not None:
         stored = k_cache.dtype
         kernels.store_kv_(k_cache, v_cache, view.new_slots, to_cache(key, stored), to_cache(value, stored))
-    elif is_fp8(k_cache.dtype):  # torch copies fp8 rows on a CPU only as bytes
-        for cache, rows in ((k_cache, key), (v_cache, value)):
-            cache.view(torch.uint8).index_copy_(0, view.new_slots, to_cache(rows, cache.dtype).view(torch.uint8))
     else:
-        k_cache.index_copy_(0, view.new_slots, key.to(k_cache.dtype))
-        v_cache.index_copy_(0, view.new_slots, value.to(v_cache.dtype))
+        for cache, rows in ((k_cache, key), (v_cache, value)):
+            rows = to_cache(rows, cache.dtype)
+            if is_fp8(cache.dtype):  # torch copies fp8 rows on a CPU only as bytes
+                cache, rows = cache.view(torch.uint8), rows.view(torch.uint8)
+            cache.index_copy_(0, view.new_slots, rows)
     if group is not None and kernels is None:
         decoded = _decode_attention(query, k_cache, v_cache, group, scaling)  # (B, H, 1, D)
         if not view.seqs:  # a pure decode step, rows 0..B-1 in order: (B, H, 1, D) -> (B, H, D)
