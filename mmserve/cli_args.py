@@ -316,8 +316,9 @@ def add_quantization_args(p: argparse.ArgumentParser) -> None:
         "--kv-cache-dtype",
         choices=KV_CACHE_DTYPES,
         default="auto",
-        help="the KV cache's element type: auto (the model's dtype), or fp8 (= fp8_e4m3) / fp8_e5m2: K and V rows "
-        "rounded to fp8 unscaled as they are stored, half of bf16's bytes; prefill and decode servers must agree",
+        help="the KV cache's element type: auto (the model's dtype); fp8 (= fp8_e4m3) / fp8_e5m2: K and V rows "
+        "rounded to fp8 unscaled as they are stored; int8: codes with a scale per token and KV head. About half of "
+        "bf16's bytes; prefill and decode servers must agree",
     )
     p.add_argument(
         "--quantize-tower",

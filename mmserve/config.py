@@ -22,8 +22,9 @@ def check_quantization(value: str | None) -> None:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, not {value!r}")
 
 
-# The KV cache's storage (vLLM's `--kv-cache-dtype` names): "auto" is the model's dtype; "fp8" = "fp8_e4m3".
-KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+# The KV cache's storage (vLLM's `--kv-cache-dtype` names): "auto" is the model's dtype; "fp8" = "fp8_e4m3";
+# "int8": codes with a scale per (token, KV head) row (mmserve.engine.cache.kv_dtype).
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8")
 
 
 def check_kv_cache_dtype(value: str) -> None:
@@ -182,7 +183,7 @@ class EngineConfig:
     quantization: str | None = None
     quantize_lm_head: bool = True  # with `quantization`: lm_head too (False keeps it in the model dtype)
     quantize_tower: bool = False  # with `quantization`: the local tower's linear layers too
-    # K and V rows stored in fp8 (mmserve.engine.cache.kv_dtype): half bf16's bytes, a quarter of fp32's
+    # K and V rows stored in fp8 or int8 (mmserve.engine.cache.kv_dtype): about half bf16's bytes
     kv_cache_dtype: str = "auto"
     embedding_cache_mb: float = 512.0
     mm_processor_kwargs: tuple[tuple[str, object], ...] = ()

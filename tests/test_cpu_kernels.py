@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from mmserve.cli_args import engine_config_from_args
 from mmserve.cpu_info import cpu_flags
-from mmserve.engine.cache.kv_dtype import to_cache
+from mmserve.engine.cache.kv_dtype import from_cache, to_cache
 from mmserve.engine.cpu_kernels import kernels_for
 from mmserve.engine.fused_layers import rms_norm
 from mmserve.engine.layers.attention import AttentionMetadata, DecodeGroup, SeqAttention, _decode_attention
@@ -136,20 +136,35 @@ def test_decode_attention_matches_sdpa(kernels, dtype, heads, kv_heads, dim, run
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])
-@pytest.mark.parametrize("heads,kv_heads,dim,runs", [(14, 2, 64, True), (12, 2, 128, False), (6, 2, 80, False)])
-def test_decode_attention_reads_an_fp8_pool_as_its_widened_values(kernels, dtype, fp8, heads, kv_heads, dim, runs):
-    """An fp8 pool (`--kv-cache-dtype`) gives exactly what a pool of the query's dtype holding the same values
-    gives: each row is widened (exactly) as it is loaded, on the AMX tiles and the AVX-512 loops alike."""
+@pytest.mark.parametrize("stored", [torch.float8_e4m3fn, torch.float8_e5m2, torch.int8])
+@pytest.mark.parametrize(
+    "heads,kv_heads,dim,runs", [(14, 2, 64, True), (12, 2, 128, False), (6, 2, 80, False), (4, 4, 64, False)]
+)
+def test_decode_attention_reads_an_8bit_pool_as_its_widened_values(kernels, dtype, stored, heads, kv_heads, dim, runs):
+    """An 8-bit pool (`--kv-cache-dtype`) gives exactly what a pool of the query's dtype holding the values
+    kv_dtype.from_cache reads gives: each row is widened as it is loaded (fp8 exactly; int8 as code x its row's
+    scale, rounded to the query's dtype), on the AMX tiles, the AVX-512 loops and the portable ones (a head size
+    of 80; one query head per KV head) alike."""
     query, k_cache, v_cache, group = decode_case(dtype, 6, heads, kv_heads, dim, seed=dim, runs=runs)
-    k8, v8 = (to_cache(c * 40, fp8) for c in (k_cache, v_cache))  # * 40: past e4m3's 448, saturated
+    k8, v8 = (to_cache(c * 40, stored) for c in (k_cache, v_cache))  # * 40: past e4m3's 448, saturated
+    assert k8.shape[-1] == dim + (4 if stored == torch.int8 else 0)  # an int8 row: codes, then its scale
     outs = []
-    for k, v in ((k8, v8), (k8.to(dtype), v8.to(dtype))):
+    for k, v in ((k8, v8), (from_cache(k8, dtype), from_cache(v8, dtype))):
         out = torch.zeros_like(query)
         kernels.decode_attention_(out, query, group.row_ids, k, v, group.slots, group.lengths, 0.1)
         outs.append(out)
     assert torch.equal(outs[0], outs[1])
     assert torch.isfinite(outs[0]).all()
+
+
+def test_int8_rows_round_trip_within_half_a_step():
+    x = torch.randn(5, 3, 64) * torch.logspace(-3, 3, 5).view(5, 1, 1)
+    x[0, 0] = 0.0  # a row of zeros: scale 0, codes 0, read back as zeros
+    rows = to_cache(x, torch.int8)
+    back = from_cache(rows, torch.float32)
+    step = x.abs().amax(-1, keepdim=True) / 127
+    assert torch.all((back - x).abs() <= step / 2 * (1 + 1e-6))
+    assert torch.equal(back[0, 0], torch.zeros(64)) and rows[..., :64].abs().max() == 127
 
 
 def test_store_kv_writes_fp8_rows_as_they_are(kernels):

@@ -1,5 +1,5 @@
-"""`--kv-cache-dtype fp8 | fp8_e4m3 | fp8_e5m2` against HF `generate` over a cache that rounds K and V to fp8 as
-it stores them (mmserve.testing.reference): every engine mode gives its greedy tokens and logits (fp32), with
+"""`--kv-cache-dtype fp8 | fp8_e4m3 | fp8_e5m2 | int8` against HF `generate` over a cache that rounds K and V
+to fp8, or to int8 codes with a scale per (token, KV head) row, as it stores them (mmserve.testing.reference): every engine mode gives its greedy tokens and logits (fp32), with
 the CPU kernels and without, on a full-attention family and a windowed one, beside quantized weights, in bf16
 (tokens equal up to a tie), and through a P/D handoff, whose peers must agree on the cache's type. The
 rounding changes HF's own tokens on these models, so an engine that kept its rows unrounded would fail here."""
@@ -44,14 +44,17 @@ def oracles(tiny_model):
     return get
 
 
-@pytest.mark.parametrize("kv", ["fp8_e4m3", "fp8_e5m2"])
-def test_fp8_cache_every_mode(kv, tiny_qwen2_vl, oracles, oracle_qwen2_vl):
+STORED = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2, "int8": torch.int8}
+
+
+@pytest.mark.parametrize("kv", ["fp8_e4m3", "fp8_e5m2", "int8"])
+def test_8bit_cache_every_mode(kv, tiny_qwen2_vl, oracles, oracle_qwen2_vl):
     oracle = oracles("qwen2_vl", kv)
     cases = list(QWEN.cases().values())
     # The rounding shows in HF's answers: a pool that kept bf16/fp32 rows would give the plain oracle's tokens.
     assert any(oracle(c).token_ids != oracle_qwen2_vl(c).token_ids for c in cases)
     llm = make_llm(tiny_qwen2_vl, QWEN.mm_kwargs, kv_cache_dtype=kv)
-    assert llm.engine.pool.dtype == (torch.float8_e4m3fn if kv == "fp8_e4m3" else torch.float8_e5m2)
+    assert llm.engine.pool.dtype == STORED[kv]
     assert llm.engine.runner.decode_stack is not None  # pure decode steps round their rows in the one op too
     run_and_compare(llm, oracle, cases, atol=ATOL)
     first = run_and_compare(llm, oracle, [QWEN.two([30, 31], "What is there?")], atol=ATOL)[0]
@@ -71,67 +74,78 @@ def oracle_qwen2_vl(tiny_qwen2_vl):
     return lambda case: reference(ref, case, MAX_NEW)
 
 
-def test_fp8_cache_on_the_eager_ops(tiny_qwen2_vl, oracles):
-    llm = make_llm(tiny_qwen2_vl, QWEN.mm_kwargs, kv_cache_dtype="fp8", cpu_kernels=False)
-    run_and_compare(llm, oracles("qwen2_vl", "fp8_e4m3"), [QWEN.two([1, 2]), QWEN.cases()["text"]], atol=ATOL)
+@pytest.mark.parametrize("kv", ["fp8_e4m3", "int8"])
+def test_8bit_cache_on_the_eager_ops(kv, tiny_qwen2_vl, oracles):
+    llm = make_llm(tiny_qwen2_vl, QWEN.mm_kwargs, kv_cache_dtype=kv, cpu_kernels=False)
+    run_and_compare(llm, oracles("qwen2_vl", kv), [QWEN.two([1, 2]), QWEN.cases()["text"]], atol=ATOL)
     assert_idle_and_clean(llm)
 
 
-def test_fp8_cache_of_a_windowed_family(tiny_model, oracles):
-    """Gemma 3: sliding layers in the window pool (fp8 too), image blocks attended both ways."""
+@pytest.mark.parametrize("kv", ["fp8_e4m3", "int8"])
+def test_8bit_cache_of_a_windowed_family(kv, tiny_model, oracles):
+    """Gemma 3: sliding layers in the window pool (8-bit too), image blocks attended both ways."""
     spec = FAMILIES["gemma3"]
-    oracle = oracles("gemma3", "fp8_e4m3")
-    llm = make_llm(tiny_model("gemma3"), spec.mm_kwargs, kv_cache_dtype="fp8")
-    assert llm.engine.window_pool.dtype == torch.float8_e4m3fn
+    oracle = oracles("gemma3", kv)
+    llm = make_llm(tiny_model("gemma3"), spec.mm_kwargs, kv_cache_dtype=kv)
+    assert llm.engine.window_pool.dtype == STORED[kv]
     run_and_compare(llm, oracle, list(spec.cases().values()), atol=ATOL)
-    chunked = make_llm(tiny_model("gemma3"), spec.mm_kwargs, kv_cache_dtype="fp8", max_num_batched_tokens=7)
+    chunked = make_llm(tiny_model("gemma3"), spec.mm_kwargs, kv_cache_dtype=kv, max_num_batched_tokens=7)
     run_and_compare(chunked, oracle, [spec.two([20, 21]), spec.one(22, "What is it?")], atol=ATOL)
     assert_idle_and_clean(llm)
     assert_idle_and_clean(chunked)
 
 
-def test_fp8_cache_in_bf16(tiny_qwen2_vl, oracles):
-    llm = make_llm(tiny_qwen2_vl, QWEN.mm_kwargs, kv_cache_dtype="fp8", dtype="bfloat16")
-    run_bf16(llm, oracles("qwen2_vl", "fp8_e4m3", "bfloat16"), [QWEN.one(10 + i, "Describe." * (i + 1)) for i in range(4)])
+@pytest.mark.parametrize("kv", ["fp8_e4m3", "int8"])
+def test_8bit_cache_in_bf16(kv, tiny_qwen2_vl, oracles):
+    llm = make_llm(tiny_qwen2_vl, QWEN.mm_kwargs, kv_cache_dtype=kv, dtype="bfloat16")
+    run_bf16(llm, oracles("qwen2_vl", kv, "bfloat16"), [QWEN.one(10 + i, "Describe." * (i + 1)) for i in range(4)])
     assert_idle_and_clean(llm)
 
 
-def test_fp8_cache_holds_more_tokens_in_the_same_budget(tiny_qwen2_vl):
+def test_8bit_cache_holds_more_tokens_in_the_same_budget(tiny_qwen2_vl):
     plain = make_llm(tiny_qwen2_vl, QWEN.mm_kwargs, kv_cache_mb=4)
     fp8 = make_llm(tiny_qwen2_vl, QWEN.mm_kwargs, kv_cache_mb=4, kv_cache_dtype="fp8_e5m2")
+    int8 = make_llm(tiny_qwen2_vl, QWEN.mm_kwargs, kv_cache_mb=4, kv_cache_dtype="int8")
     assert fp8.engine.kv_bytes_per_token * 4 == plain.engine.kv_bytes_per_token  # fp32 rows: 4 bytes, fp8: 1
     assert fp8.engine.pool.num_slots >= 4 * plain.engine.pool.num_slots - 4
+    pool = plain.engine.pool
+    dim, rows = pool.groups[0].head_dim, pool.token_bytes // (4 * pool.groups[0].head_dim)  # rows a token has
+    assert int8.engine.kv_bytes_per_token == rows * (dim + 4)  # int8: a byte a value and a 4-byte scale a row
 
 
-def test_fp8_cache_beside_quantized_weights(tiny_qwen2_vl, tmp_path):
+@pytest.mark.parametrize("kv", ["fp8_e4m3", "int8"])
+def test_8bit_cache_beside_quantized_weights(kv, tiny_qwen2_vl, tmp_path):
     from mmserve.testing.kit_quant import dequantized_reference
 
     ref_dir = dequantized_reference(tiny_qwen2_vl, str(tmp_path / "ref"), "int4")
-    ref = HFReference(ref_dir, mm_processor_kwargs=QWEN.mm_kwargs, kv_cache_dtype="fp8_e4m3")
-    llm = make_llm(tiny_qwen2_vl, QWEN.mm_kwargs, kv_cache_dtype="fp8", quantization="int4")
+    ref = HFReference(ref_dir, mm_processor_kwargs=QWEN.mm_kwargs, kv_cache_dtype=kv)
+    llm = make_llm(tiny_qwen2_vl, QWEN.mm_kwargs, kv_cache_dtype=kv, quantization="int4")
     run_and_compare(llm, lambda case: reference(ref, case, MAX_NEW), [QWEN.two([3, 4]), QWEN.one(5)], atol=ATOL)
     assert_idle_and_clean(llm)
 
 
-@pytest.mark.parametrize("backend", ["zmq", "mooncake"])
-def test_fp8_rows_travel_in_a_handoff(tiny_qwen2_vl, backend):
-    fp8 = {"kv_cache_dtype": "fp8"}
+@pytest.mark.parametrize("backend,kv", [("zmq", "fp8"), ("mooncake", "fp8"), ("zmq", "int8"), ("mooncake", "int8")])
+def test_8bit_rows_travel_in_a_handoff(tiny_qwen2_vl, backend, kv):
+    eight = {"kv_cache_dtype": kv}
     params = [SamplingParams(max_tokens=6, temperature=0, ignore_eos=True) for _ in PROMPTS]
-    expected = one_engine(tiny_qwen2_vl, PROMPTS, params, **fp8)  # itself held to HF above
+    expected = one_engine(tiny_qwen2_vl, PROMPTS, params, **eight)  # itself held to HF above
     assert expected != one_engine(tiny_qwen2_vl, PROMPTS, params)  # the rows' rounding shows in the tokens
-    pair = Pair(tiny_qwen2_vl, p_kw={**fp8, "max_num_batched_tokens": 16}, d_kw=fp8)
+    pair = Pair(tiny_qwen2_vl, p_kw={**eight, "max_num_batched_tokens": 16}, d_kw=eight)
     try:
         rooms = [pair.submit(p, s, backend) for p, s in zip(PROMPTS, params, strict=True)]
         pair.pump(pair.settled)
         assert [pair.tokens(r) for r in rooms] == expected
-        assert pair.p.transfer.kv_bytes(1) * 4 == engine(tiny_qwen2_vl, "null").transfer.kv_bytes(1)  # fp32: 4x
+        fp32 = engine(tiny_qwen2_vl, "null").transfer.kv_bytes(1)
+        dim = pair.p.pool.groups[0].head_dim  # fp32 rows: 4 bytes a value; fp8: 1; int8: 1, and 4 a row
+        assert pair.p.transfer.kv_bytes(1) == (fp32 // 4 if kv == "fp8" else fp32 // 4 // dim * (dim + 4))
         pair.check()
     finally:
         pair.close()
 
 
-def test_peers_with_different_cache_types_are_refused_naming_them(tiny_qwen2_vl):
-    pair = Pair(tiny_qwen2_vl, p_kw={"kv_cache_dtype": "fp8"})
+@pytest.mark.parametrize("kv,name", [("fp8", "float8_e4m3fn"), ("int8", "int8")])
+def test_peers_with_different_cache_types_are_refused_naming_them(tiny_qwen2_vl, kv, name):
+    pair = Pair(tiny_qwen2_vl, p_kw={"kv_cache_dtype": kv})
     try:
         pair.submit(PROMPTS[1], SamplingParams(max_tokens=3, temperature=0))
         deadline = time.monotonic() + 30
@@ -144,18 +158,18 @@ def test_peers_with_different_cache_types_are_refused_naming_them(tiny_qwen2_vl)
             pair.dh.drain()
             time.sleep(0.001)
         assert failures[0].failure.code == "kv_layout_mismatch"
-        assert "float8_e4m3fn" in failures[0].failure.message and "float32" in failures[0].failure.message
+        assert name in failures[0].failure.message and "float32" in failures[0].failure.message
     finally:
         pair.close()
 
 
-def test_bench_kv_moves_fp8_rows(tiny_qwen2_vl, tmp_path):
-    """`mmserve bench kv --kv-cache-dtype fp8`: both engines keep fp8 rows, so a handoff moves a quarter of the
-    fp32 rows' bytes, over every backend."""
+def test_bench_kv_moves_8bit_rows(tiny_qwen2_vl, tmp_path):
+    """`mmserve bench kv --kv-cache-dtype fp8 | int8`: both engines keep 8-bit rows, so a handoff moves a quarter
+    of the fp32 rows' bytes (int8: and its scales), over every backend."""
     from tests.test_bench_cli import run_cli
 
     sizes = {}
-    for kv in ("auto", "fp8"):
+    for kv in ("auto", "fp8", "int8"):
         out = tmp_path / f"{kv}.json"
         args = ["--prompt-lens", "32", "--repeats", "1", "--kv-cache-mb", "4", "--kv-cache-dtype", kv]
         done = run_cli("bench", "kv", "--model", tiny_qwen2_vl, *args, "--json", str(out))
@@ -163,4 +177,4 @@ def test_bench_kv_moves_fp8_rows(tiny_qwen2_vl, tmp_path):
         (row,) = json.loads(out.read_text())
         assert row["zmq_ms"] > 0 and row["mooncake_ms"] > 0
         sizes[kv] = row["kv_mb"]
-    assert sizes["auto"] == 4 * sizes["fp8"] > 0
+    assert sizes["auto"] == 4 * sizes["fp8"] > 0 and sizes["fp8"] < sizes["int8"] < sizes["auto"] / 3

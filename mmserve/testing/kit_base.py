@@ -110,6 +110,9 @@ def token_ids(tokenizer, tokens: tuple[str, ...]) -> dict[str, int]:
     return {t: tokenizer.convert_tokens_to_ids(t) for t in tokens}
 
 
+SIZES = ("tiny", "small", "7b")
+
+
 def text_config(size: str, tokenizer, mrope_section: list[int] | None, **extra) -> dict:
     ids = token_ids(tokenizer, QWEN_TOKENS)
     if size == "tiny":
@@ -135,15 +138,28 @@ def text_config(size: str, tokenizer, mrope_section: list[int] | None, **extra) 
             max_position_embeddings=32768,
         )
         rope = {"rope_type": "default", "rope_theta": 1000000.0}
+    elif size == "7b":
+        # Qwen2.5-VL-7B's language model (28 layers, GQA 28/4, head size 128): a memory-sized kit model for
+        # bench runs (`--quantization int4` on a 24 GB machine), never built by the tests.
+        text = dict(
+            hidden_size=3584,
+            intermediate_size=18944,
+            num_hidden_layers=28,
+            num_attention_heads=28,
+            num_key_value_heads=4,
+            initializer_range=0.02,
+            max_position_embeddings=128000,
+        )
+        rope = {"rope_type": "default", "rope_theta": 1000000.0}
     else:
-        raise ValueError(f"unknown size {size!r}: expected 'tiny' or 'small'")
+        raise ValueError(f"unknown size {size!r}: expected one of {', '.join(SIZES)}")
     if mrope_section is not None:
         # M-RoPE sections must cover half the head dim or the first forward crashes.
-        rope["mrope_section"] = mrope_section if size == "tiny" else [8, 12, 12]
+        rope["mrope_section"] = {"tiny": mrope_section, "small": [8, 12, 12], "7b": [16, 24, 24]}[size]
     text.update(
         rope_parameters=rope,
-        # `small`: Qwen2-VL's logits width (lm_head rows), past its 151,657-id tokenizer.
-        vocab_size=len(tokenizer) if size == "tiny" else QWEN2_VL_VOCAB_SIZE,
+        # `small`: Qwen2-VL's logits width (lm_head rows), past its 151,657-id tokenizer; `7b`: Qwen2.5-VL-7B's.
+        vocab_size={"tiny": len(tokenizer), "small": QWEN2_VL_VOCAB_SIZE, "7b": 152064}[size],
         bos_token_id=ids["<|endoftext|>"],
         eos_token_id=ids["<|im_end|>"],
         **extra,

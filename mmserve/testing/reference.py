@@ -84,8 +84,8 @@ class HFReference:
         kv_cache_dtype: str = "auto",
     ) -> None:
         hf_config = load_hf_config(model_dir)
-        # An fp8 KV cache's oracle: HF's own cache with every K and V row rounded to fp8 as it is stored
-        # (mmserve.engine.cache.kv_dtype), so attention reads exactly what an fp8 pool holds.
+        # An 8-bit KV cache's oracle: HF's own cache with every K and V row rounded to fp8 or int8 as it is
+        # stored (mmserve.engine.cache.kv_dtype), so attention reads exactly what an 8-bit pool holds.
         self.kv_cache_dtype = kv_cache_dtype
         self.model = load_model(model_dir, dtype=dtype)
         self.tokenizer = load_tokenizer(model_dir)
@@ -149,10 +149,10 @@ class HFReference:
     def _rounding_cache(self):
         from transformers import DynamicCache
 
-        from mmserve.engine.cache.kv_dtype import FP8, round_trip
+        from mmserve.engine.cache.kv_dtype import STORED, round_trip
 
         cache = DynamicCache(config=self.model.config)
-        dtype = FP8[self.kv_cache_dtype]
+        dtype = STORED[self.kv_cache_dtype]
         for layer in cache.layers:
             update = layer.update
             layer.update = lambda k, v, *args, _update=update, **kwargs: _update(

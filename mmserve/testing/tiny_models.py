@@ -49,12 +49,14 @@ def _qwen_vl(arch: str, size: str) -> KitModel:
 
     tokenizer = make_tokenizer(size)
     text = text_config(size, tokenizer, [2, 3, 3])
-    width = 16 if size == "tiny" else 768
-    vision = (
-        dict(depth=2, num_heads=2, initializer_range=0.5)
-        if size == "tiny"
-        else dict(depth=12, num_heads=12, initializer_range=0.02)
-    )  # ~ViT-B
+    width = {"tiny": 16, "small": 768, "7b": 1280}[size]
+    vision = {
+        "tiny": dict(depth=2, num_heads=2, initializer_range=0.5),
+        "small": dict(depth=12, num_heads=12, initializer_range=0.02),  # ~ViT-B
+        "7b": dict(depth=32, num_heads=16, initializer_range=0.02),  # Qwen2.5-VL-7B's tower
+    }[size]
+    if size == "7b" and arch != "qwen2_5_vl":
+        raise ValueError("the kit builds size '7b' for qwen2_5_vl only (Qwen2.5-VL-7B's shapes)")
     if arch == "qwen2_vl":
         vision.update(embed_dim=width, hidden_size=text["hidden_size"], mlp_ratio=4)
         config_cls = Qwen2VLConfig
@@ -62,8 +64,8 @@ def _qwen_vl(arch: str, size: str) -> KitModel:
         vision.update(
             hidden_size=width,
             out_hidden_size=text["hidden_size"],
-            intermediate_size=width * 2,
-            fullatt_block_indexes=[vision["depth"] - 1],
+            intermediate_size=3420 if size == "7b" else width * 2,
+            fullatt_block_indexes=[7, 15, 23, 31] if size == "7b" else [vision["depth"] - 1],
             window_size=112,
             tokens_per_second=2,
         )
@@ -220,14 +222,13 @@ def build_tiny_model(
     if edit_config is not None:
         edit_config(kit.config)
     torch.manual_seed(seed)
-    model = AutoModelForMultimodalLM.from_config(kit.config, dtype=torch.float32)
+    # `7b` is made in bf16 directly: its fp32 weights (33 GB) would not fit the machines it is meant for.
+    model = AutoModelForMultimodalLM.from_config(kit.config, dtype=torch.bfloat16 if size == "7b" else torch.float32)
     kit.edit_weights(model)
     model.generation_config.eos_token_id = kit.config.eos_token_id
     model.generation_config.pad_token_id = kit.config.pad_token_id
     os.makedirs(out_dir, exist_ok=True)
-    if (
-        size == "small"
-    ):  # stored in bf16 like published Qwen checkpoints: `--dtype auto` runs it in bf16 on AMX
+    if size == "small":  # stored in bf16 like published Qwen checkpoints: `--dtype auto` runs it in bf16 on AMX
         model = model.to(torch.bfloat16)
     model.save_pretrained(out_dir)
     kit.tokenizer.save_pretrained(out_dir)

@@ -2,7 +2,8 @@
 
 Every token of every request occupies one slot; a slot holds one K row and one V row in every layer that writes
 rows (`AttentionSpec.has_kv`), whatever its shape: the layers are grouped by row shape (KV heads, head size), each
-group one typed view `(K|V, layers in the group, slot, head, dim)`, all carved from one allocation. Linear-state
+group one typed view `(K|V, layers in the group, slot, head, width)` (width: the head size, plus an int8 pool's
+scale bytes, mmserve.engine.cache.kv_dtype), all carved from one allocation. Linear-state
 layers have no rows here (their state is in `StatePool`); a layer that reads another's rows (`kv_source`) aliases
 that layer's views. `k_cache[layer]` / `v_cache[layer]` are indexed by the decoder layer's own index (HF passes
 `module.layer_idx`), None where the layer has no rows.
@@ -26,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from mmserve.engine.cache.kv_dtype import row_width
 from mmserve.models.layer_specs import AttentionSpec, LayerSpec
 
 ALIGN_BYTES = 64
@@ -39,6 +41,7 @@ class KvGroup:
     num_kv_heads: int
     head_dim: int
     offset: int  # bytes into the allocation of plane (K, first layer)
+    width: int  # elements of a (token, KV head) row: head_dim, and an int8 pool's scale (kv_dtype.row_width)
 
 
 def uniform_specs(num_layers: int, num_kv_heads: int, head_dim: int) -> tuple[AttentionSpec, ...]:
@@ -82,8 +85,9 @@ class KVPool:
         self.groups: list[KvGroup] = []
         offset = 0
         for (heads, dim), members in kv_groups(self.specs, layers):
-            self.groups.append(KvGroup(tuple(members), heads, dim, offset))
-            size = 2 * len(members) * num_slots * heads * dim * item
+            width = row_width(dim, dtype)
+            self.groups.append(KvGroup(tuple(members), heads, dim, offset, width))
+            size = 2 * len(members) * num_slots * heads * width * item
             offset += -(-size // ALIGN_BYTES) * ALIGN_BYTES
         # One allocation for the whole cache: a KV transfer backend registers it once (Mooncake) and addresses any
         # row by offset (`planes`); the per-layer lists are views into it.
@@ -91,9 +95,9 @@ class KVPool:
         self.k_cache: list[torch.Tensor | None] = [None] * self.num_layers
         self.v_cache: list[torch.Tensor | None] = [None] * self.num_layers
         for group in self.groups:
-            n = len(group.layers) * num_slots * group.num_kv_heads * group.head_dim
+            n = len(group.layers) * num_slots * group.num_kv_heads * group.width
             view = self.buffer[group.offset // item : group.offset // item + 2 * n]
-            view = view.view(2, len(group.layers), num_slots, group.num_kv_heads, group.head_dim)
+            view = view.view(2, len(group.layers), num_slots, group.num_kv_heads, group.width)
             for j, layer in enumerate(group.layers):
                 self.k_cache[layer], self.v_cache[layer] = view[0, j], view[1, j]
         for i, spec in enumerate(self.specs):
@@ -115,7 +119,8 @@ class KVPool:
     ) -> int:
         """Bytes of K plus V cache one token occupies across all layers that have rows (of `layers`, when given)."""
         groups = kv_groups(specs, layers)
-        return sum(2 * len(members) * heads * dim for (heads, dim), members in groups) * dtype.itemsize
+        rows = sum(2 * len(members) * heads * row_width(dim, dtype) for (heads, dim), members in groups)
+        return rows * dtype.itemsize
 
     @classmethod
     def from_budget(
@@ -199,7 +204,7 @@ class KVPool:
         out = []
         item = self.dtype.itemsize
         for group in self.groups:
-            row = group.num_kv_heads * group.head_dim * item
+            row = group.num_kv_heads * group.width * item
             for plane in range(2 * len(group.layers)):
                 out.append((group.offset + plane * self.num_slots * row, row))
         return out
@@ -226,21 +231,21 @@ class KVPool:
         values = data.to(self.device).view(self._row_type)
         for g in self.groups:
             view = self._group_view(g)  # (2, layers, slots, heads, dim)
-            count = 2 * len(g.layers) * n * g.num_kv_heads * g.head_dim
-            rows = values[start : start + count].view(2, len(g.layers), n, g.num_kv_heads, g.head_dim)
+            count = 2 * len(g.layers) * n * g.num_kv_heads * g.width
+            rows = values[start : start + count].view(2, len(g.layers), n, g.num_kv_heads, g.width)
             view.index_copy_(2, idx, rows)
             start += count
 
     @property
     def _row_type(self) -> torch.dtype:
-        """The type rows are copied as: an fp8 pool's as bytes (torch has no index copies of fp8 on a CPU)."""
+        """The type rows are copied as: an 8-bit pool's as bytes (torch has no index copies of fp8 on a CPU)."""
         return torch.uint8 if self.dtype.itemsize == 1 else self.dtype
 
     def _group_view(self, g: KvGroup) -> torch.Tensor:
         item = self.dtype.itemsize
-        n = len(g.layers) * self.num_slots * g.num_kv_heads * g.head_dim
+        n = len(g.layers) * self.num_slots * g.num_kv_heads * g.width
         flat = self.buffer.view(self._row_type)[g.offset // item : g.offset // item + 2 * n]
-        return flat.view(2, len(g.layers), self.num_slots, g.num_kv_heads, g.head_dim)
+        return flat.view(2, len(g.layers), self.num_slots, g.num_kv_heads, g.width)
 
     def refcount(self, slots: torch.Tensor) -> torch.Tensor:
         """Current refcounts of `slots` (a copy; mutates nothing)."""

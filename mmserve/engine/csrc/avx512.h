@@ -5,6 +5,8 @@
 #if defined(__AVX512F__)
 #include <immintrin.h>
 
+#include <type_traits>
+
 #include "cpu_common.h"
 
 namespace mmserve_cpu_ops {
@@ -52,7 +54,8 @@ inline __m512 load16(const c10::Float8_e5m2* p) {
 template <typename T, int kDim>
 inline void prefetch_row(const T* row) {
   const char* p = reinterpret_cast<const char*>(row);
-  for (int off = 0; off < kDim * static_cast<int>(sizeof(T)); off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
+  const int bytes = static_cast<int>(row_len<T>(kDim) * sizeof(T));  // an int8 row's scale included
+  for (int off = 0; off < bytes; off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
 }
 
 // r[i] = column i of the 16 x 16 block whose rows are r[0..15].
@@ -111,6 +114,24 @@ inline __m256i to_bf16(__m512 x) {
   return _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(round_bf16(x)), 16));
 }
 inline void store16(BFloat16* p, __m512 x) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), to_bf16(x)); }
+
+// Dims d0..d0+15 of a pool row (the row of one token and one KV head) as floats: load16 of the element type,
+// or an int8 row's codes times its scale, rounded to the model dtype T as widen_row does.
+template <int kDim, typename C>
+inline __m512 load_row16(const C* row, int64_t d0) {
+  return load16(row + d0);
+}
+template <int kDim, typename T>
+inline __m512 load_row16(const KvInt8<T>* row, int64_t d0) {
+  const __m128i codes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + d0));
+  const __m512 scale = _mm512_set1_ps(row_scale(row, kDim));
+  const __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(codes)), scale);
+  if constexpr (std::is_same_v<T, BFloat16>) {
+    return round_bf16(v);
+  } else {
+    return v;
+  }
+}
 
 }  // namespace mmserve_cpu_ops
 #endif

@@ -23,6 +23,40 @@ inline float to_f(c10::Float8_e5m2 x) { return static_cast<float>(x); }
 template <typename T>
 inline T from_f(float x) { return static_cast<T>(x); }
 
+// An int8 KV cache's element (`--kv-cache-dtype int8`, mmserve/engine/cache/kv_dtype.py): a pool row of one
+// token and one KV head is head_dim codes, then the row's fp32 scale in the next four bytes. The tag carries
+// the model dtype T because a code's value, code x scale in float, is rounded to T as from_cache rounds it.
+template <typename T>
+struct KvInt8 {
+  int8_t code;
+};
+constexpr int64_t kInt8ScaleBytes = 4;
+template <typename C>
+constexpr int64_t kRowExtra = 0;
+template <typename T>
+constexpr int64_t kRowExtra<KvInt8<T>> = kInt8ScaleBytes;
+// Elements of a pool row of head size `dim` (the stride between one token's KV heads).
+template <typename C>
+constexpr int64_t row_len(int64_t dim) { return dim + kRowExtra<C>; }
+
+template <typename T>
+inline float row_scale(const KvInt8<T>* row, int64_t dim) {
+  float s;
+  std::memcpy(&s, row + dim, sizeof(s));
+  return s;
+}
+
+// A pool row's `dim` values as floats: the element types' own values, an int8 row's code x scale rounded to T.
+template <typename C>
+inline void widen_row(const C* row, int64_t dim, float* dst) {
+  _Pragma("omp simd") for (int64_t d = 0; d < dim; ++d) dst[d] = to_f(row[d]);
+}
+template <typename T>
+inline void widen_row(const KvInt8<T>* row, int64_t dim, float* dst) {
+  const float s = row_scale(row, dim);
+  for (int64_t d = 0; d < dim; ++d) dst[d] = to_f(from_f<T>(static_cast<float>(row[d].code) * s));
+}
+
 // exp for float in Cody-Waite range reduction and a degree-6 polynomial (the classic Cephes coefficients),
 // written with plain arithmetic so loops over it vectorize; within about one ulp of expf.
 inline float fast_exp(float x) {

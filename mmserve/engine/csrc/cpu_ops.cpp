@@ -10,7 +10,7 @@
 // - silu_mul: silu(gate) * up over the (T, 2I) gate/up GEMM output (in bf16 with AVX-512, torch's silu of each
 //   of the 65,536 bf16 values from a table: the eager ops' bits);
 // - store_kv_: a layer's new K and V rows into the pool at their slots, in one pass (rows already in the pool's
-//   type: fp8 pools get them converted by the caller, mmserve.engine.cache.kv_dtype);
+//   type: 8-bit pools get them converted by the caller, mmserve.engine.cache.kv_dtype);
 // - greedy_argmax: each row's first maximum logit (torch.argmax's ids), rows and pieces of rows in parallel;
 // - decode_attention_ (decode_attention.cpp): every one-row query against its own slots, reading K and V in
 //   place in the pool (no gather), the G query heads that share a KV head together so each K/V row is read once
@@ -225,8 +225,8 @@ void store_kv_(Tensor k_cache, Tensor v_cache, const Tensor& slots, const Tensor
               "store_kv_: key and value (T, Hkv, D) with contiguous heads, of the pool's row shape and dtype");
   const at::ScalarType pool_type = k_cache.scalar_type();
   TORCH_CHECK(pool_type == at::kFloat || pool_type == at::kBFloat16 || pool_type == at::kFloat8_e4m3fn ||
-                  pool_type == at::kFloat8_e5m2,
-              "store_kv_: the pool must be float32, bfloat16 or fp8 (its rows converted by the caller)");
+                  pool_type == at::kFloat8_e5m2 || pool_type == at::kChar,
+              "store_kv_: the pool must be float32, bfloat16, fp8 or int8 (its rows converted by the caller)");
   TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.is_contiguous() &&
                   slots.numel() == key.size(0),
               "store_kv_: slots (T,) int64, one per row");

@@ -4,9 +4,10 @@
 // and head sizes 64, 128, 256 and 512 the scores take 16 slots as the vector lanes and the weighted V sum keeps every
 // head's dims in registers, with the rows prefetched ahead; portable loops do the same multiply-adds in the
 // same order elsewhere. The softmax follows SDPA's CPU kernel. In bf16 on a CPU with AMX (and a kernel that
-// grants its tiles), head sizes 64 and 128 run on AMX instead (decode_attention_amx.h). An fp8 pool
-// (`--kv-cache-dtype`) is read by the same paths, each row widened (exactly) as it is loaded: half the bytes of
-// a bf16 row, and the same math after the load.
+// grants its tiles), head sizes 64 and 128 run on AMX instead (decode_attention_amx.h). An 8-bit pool
+// (`--kv-cache-dtype`: fp8, or int8 codes with a scale per row) is read by the same paths, each row widened
+// as it is loaded (to exactly what kv_dtype.from_cache gives): about half the bytes of a bf16 row, and the
+// same math after the load.
 #include <torch/library.h>
 
 #include <immintrin.h>
@@ -40,7 +41,7 @@ void score_slots(const float* qf, const C* k_cache, const int64_t* slots, int64_
     for (int d0 = 0; d0 < kDim; d0 += 16) {
       __m512 r[16];
       for (int u = 0; u < 16; ++u)  // past the end: the last slot again, its scores dropped
-        r[u] = load16(k_cache + slots[j0 + std::min(u, n - 1)] * row_stride + offset + d0);
+        r[u] = load_row16<kDim>(k_cache + slots[j0 + std::min(u, n - 1)] * row_stride + offset, d0);
       transpose16(r);
       for (int i = 0; i < 16; ++i) _mm512_storeu_ps(kt + (d0 + i) * 16, r[i]);
     }
@@ -95,6 +96,7 @@ void weigh_values(const float* scores, int64_t len, const C* v_cache, const int6
                   int64_t kv_head, int64_t group, const float* inv_sums, T* out, int64_t out_head_stride) {
   constexpr int kBlock = 16 * kVecs;
   static_assert(kDim % kBlock == 0, "head size must be a multiple of the block");
+  const int64_t offset = kv_head * row_len<C>(kDim);
   for (int64_t g0 = 0; g0 < group; g0 += kL) {
     const int64_t lanes = std::min<int64_t>(kL, group - g0);
     const float* p[kL];  // the heads past `group` have weights 0 (the caller pads `scores`)
@@ -106,11 +108,11 @@ void weigh_values(const float* scores, int64_t len, const C* v_cache, const int6
 #pragma GCC unroll 4
         for (int x = 0; x < kVecs; ++x) a[l][x] = _mm512_setzero_ps();
       for (int64_t j = 0; j < len; ++j) {
-        if (d0 == 0 && j + 16 < len) prefetch_row<C, kDim>(v_cache + slots[j + 16] * row_stride + kv_head * kDim);
-        const C* v = v_cache + slots[j] * row_stride + kv_head * kDim + d0;
+        if (d0 == 0 && j + 16 < len) prefetch_row<C, kDim>(v_cache + slots[j + 16] * row_stride + offset);
+        const C* v = v_cache + slots[j] * row_stride + offset;
         __m512 vx[kVecs];
 #pragma GCC unroll 4
-        for (int x = 0; x < kVecs; ++x) vx[x] = load16(v + 16 * x);
+        for (int x = 0; x < kVecs; ++x) vx[x] = load_row16<kDim>(v, d0 + 16 * x);
 #pragma GCC unroll 8
         for (int l = 0; l < kL; ++l) {
           const __m512 w = _mm512_set1_ps(p[l][j]);
@@ -159,16 +161,16 @@ void attend_one(const T* q, int64_t q_head_stride, const C* k_cache, const C* v_
     for (int64_t d = 0; d < dim; ++d) qf[g * dim + d] = to_f(q[g * q_head_stride + d]) * scale;
   std::fill(qf + group * dim, qf + padded * dim, 0.f);
   std::fill(acc, acc + group * dim, 0.f);
-  const int64_t row_stride = kv_heads * dim;
+  const int64_t row_stride = kv_heads * row_len<C>(dim), offset = kv_head * row_len<C>(dim);
   std::fill(tops, tops + group, -INFINITY);
-  if (score_vectors<C, kDim>(qf, k_cache, slots, len, row_stride, kv_head * dim, group, row, scores, tops)) {
+  if (score_vectors<C, kDim>(qf, k_cache, slots, len, row_stride, offset, group, row, scores, tops)) {
     // scored 16 slots at a time (AVX-512, the head sizes above)
   } else if (group == 1) {  // one query head per KV head: a dot product per slot
     for (int64_t j = 0; j < len; ++j) {
-      const C* k = k_cache + slots[j] * row_stride + kv_head * dim;
+      widen_row(k_cache + slots[j] * row_stride + offset, dim, row);
       float dot = 0.f;
       _Pragma("omp simd reduction(+ : dot)") for (int64_t d = 0; d < dim; ++d) {
-        dot = std::fma(qf[d], to_f(k[d]), dot);
+        dot = std::fma(qf[d], row[d], dot);
       }
       scores[j] = dot;
       tops[0] = std::max(tops[0], dot);
@@ -188,9 +190,8 @@ void attend_one(const T* q, int64_t q_head_stride, const C* k_cache, const C* v_
       for (int64_t j = 0; j < len; j += kSlots) {
         const C* k[kSlots];
         for (int64_t u = 0; u < kSlots; ++u)  // past the end: the last slot again, its scores dropped
-          k[u] = k_cache + slots[std::min(j + u, len - 1)] * row_stride + kv_head * dim;
-        for (int64_t u = 0; u < kSlots; ++u)  // to float in whole vectors, then broadcast from memory
-          _Pragma("omp simd") for (int64_t d = 0; d < dim; ++d) kf[u * dim + d] = to_f(k[u][d]);
+          k[u] = k_cache + slots[std::min(j + u, len - 1)] * row_stride + offset;
+        for (int64_t u = 0; u < kSlots; ++u) widen_row(k[u], dim, kf + u * dim);  // then broadcast from memory
         float s[kSlots][kLanes] = {};
         for (int64_t d = 0; d < dim; ++d) {
           const float* qd = qt + d * kLanes;
@@ -209,8 +210,7 @@ void attend_one(const T* q, int64_t q_head_stride, const C* k_cache, const C* v_
   }
 #if defined(__AVX512F__)
   if constexpr (kDim > 0) {  // the V pass's first rows arrive during the softmax
-    for (int64_t j = 0; j < std::min<int64_t>(len, 16); ++j)
-      prefetch_row<C, kDim>(v_cache + slots[j] * row_stride + kv_head * kDim);
+    for (int64_t j = 0; j < std::min<int64_t>(len, 16); ++j) prefetch_row<C, kDim>(v_cache + slots[j] * row_stride + offset);
   }
 #endif
   // Softmax as SDPA's CPU kernel does it: the weights exp(s - max) summed in float, rounded to the dtype for
@@ -234,8 +234,7 @@ void attend_one(const T* q, int64_t q_head_stride, const C* k_cache, const C* v_
   }
 #endif
   for (int64_t j = 0; j < len; ++j) {
-    const C* v = v_cache + slots[j] * row_stride + kv_head * dim;
-    _Pragma("omp simd") for (int64_t d = 0; d < dim; ++d) row[d] = to_f(v[d]);
+    widen_row(v_cache + slots[j] * row_stride + offset, dim, row);
     for (int64_t g = 0; g < group; ++g) {
       const float p = scores[g * len + j];
       float* a = acc + g * dim;
@@ -255,11 +254,14 @@ void decode_attention_(Tensor out, const Tensor& query, const Tensor& rows, cons
                   out.scalar_type() == query.scalar_type(),
               "decode_attention_: query and out (T, H, D), one dtype");
   const at::ScalarType cache_type = k_cache.scalar_type();
-  const bool fp8 = cache_type == at::kFloat8_e4m3fn || cache_type == at::kFloat8_e5m2;
+  const bool int8 = cache_type == at::kChar;  // rows of D codes and their scale's 4 bytes
+  const bool eight = int8 || cache_type == at::kFloat8_e4m3fn || cache_type == at::kFloat8_e5m2;
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 3 &&
-                  k_cache.sizes() == v_cache.sizes() && (cache_type == query.scalar_type() || fp8) &&
-                  v_cache.scalar_type() == cache_type && k_cache.size(2) == query.size(2),
-              "decode_attention_: k_cache and v_cache (S, Hkv, D), contiguous, of query's dtype or fp8");
+                  k_cache.sizes() == v_cache.sizes() && (cache_type == query.scalar_type() || eight) &&
+                  v_cache.scalar_type() == cache_type &&
+                  k_cache.size(2) == query.size(2) + (int8 ? kInt8ScaleBytes : 0),
+              "decode_attention_: k_cache and v_cache (S, Hkv, D (+ 4: int8)), contiguous, of query's dtype, fp8 "
+              "or int8");
   TORCH_CHECK(rows.scalar_type() == at::kLong && slots.scalar_type() == at::kLong &&
                   lengths.scalar_type() == at::kLong && rows.is_contiguous() && slots.is_contiguous() &&
                   lengths.is_contiguous() && slots.dim() == 2 && rows.numel() == slots.size(0) &&
@@ -279,9 +281,11 @@ void decode_attention_(Tensor out, const Tensor& query, const Tensor& rows, cons
       TORCH_CHECK(slot >= 0 && slot < num_slots, "decode_attention_: slot out of range");
     }
   }
-  // The pool's element type: the query's, or an fp8 cache's (read and widened to float as rows are loaded).
+  // The pool's element type: the query's, or an 8-bit cache's (read and widened to float as rows are loaded).
   auto with_cache = [&](auto tag, auto&& fn) {
-    if (cache_type == at::kFloat8_e4m3fn) {
+    if (int8) {
+      fn(tag, KvInt8<decltype(tag)>{});
+    } else if (cache_type == at::kFloat8_e4m3fn) {
       fn(tag, c10::Float8_e4m3fn{});
     } else if (cache_type == at::kFloat8_e5m2) {
       fn(tag, c10::Float8_e5m2{});
@@ -306,7 +310,7 @@ void decode_attention_(Tensor out, const Tensor& query, const Tensor& rows, cons
       }
     };
 #if defined(MMSERVE_HAVE_AMX)
-    if constexpr (std::is_same_v<scalar_t, BFloat16>) {  // a bf16 or an fp8 pool
+    if constexpr (std::is_same_v<scalar_t, BFloat16>) {  // a bf16 or an 8-bit pool
       if ((dim == 64 || dim == 128) && group >= 2 && group <= 16 && amx_permitted()) {
         const auto one = dim == 64 ? attend_amx<64, cache_t> : attend_amx<128, cache_t>;
         at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {

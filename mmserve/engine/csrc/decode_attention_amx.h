@@ -9,7 +9,8 @@
 //                                    . V (pairs of slots x dims, interleaved from two slots' rows).
 // bf16 products are exact in float; only the order of the float sums differs from the AVX-512 loops (the
 // kernel test compares both with SDPA at bf16's tolerance). The softmax runs with the heads as vector lanes.
-// An fp8 pool's rows are widened to bf16 (exactly) as they are gathered into the K and V tiles.
+// An 8-bit pool's rows are widened to bf16 as they are gathered into the K and V tiles (fp8 exactly; int8 as
+// code x scale rounded to bf16, kv_dtype.from_cache's values).
 #pragma once
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BW__)
@@ -89,12 +90,13 @@ inline void prefetch_rows(const C* cache, const int64_t* slots, int64_t from, in
   for (int64_t u = from; u < to; ++u) prefetch_row<C, kDim>(cache + slots[u] * row_stride + offset);
 }
 
-// 32 elements of a pool row as 32 bf16 (a tile row): a bf16 pool's as they are, an fp8 pool's widened (every
-// e4m3 and e5m2 value is a bf16 value, so the widening is exact).
-inline __m512i load32_bf16(const BFloat16* p) { return _mm512_loadu_si512(p); }
-template <typename C>
-inline __m512i load32_bf16(const C* p) {
-  return (__m512i)_mm512_cvtne2ps_pbh(load16(p + 16), load16(p));
+// Elements x..x+31 of a pool row as 32 bf16 (a tile row): a bf16 pool's as they are, an 8-bit pool's widened
+// (every e4m3 and e5m2 value is a bf16 value; an int8 row's values are rounded to bf16 by load_row16).
+template <int kDim>
+inline __m512i load32_bf16(const BFloat16* row, int64_t x) { return _mm512_loadu_si512(row + x); }
+template <int kDim, typename C>
+inline __m512i load32_bf16(const C* row, int64_t x) {
+  return (__m512i)_mm512_cvtne2ps_pbh(load_row16<kDim>(row, x + 16), load_row16<kDim>(row, x));
 }
 
 // One request's `group` heads of KV head `kv_head` against its `len` slots (bf16, kDim 64 or 128), with the
@@ -105,7 +107,7 @@ void attend_amx(const BFloat16* q, int64_t q_head_stride, const C* k_cache, cons
                 BFloat16* out, int64_t out_head_stride, AmxScratch& s) {
   static_assert(kDim == 64 || kDim == 128, "AMX decode attention: head size 64 or 128");
   constexpr int kChunks = kDim / 32;  // 32 dims (one tile row of bf16) per K x Q^T product
-  const int64_t row_stride = kv_heads * kDim, offset = kv_head * kDim;
+  const int64_t row_stride = kv_heads * row_len<C>(kDim), offset = kv_head * row_len<C>(kDim);
   const int64_t padded = (len + 31) / 32 * 32;
   s.fit(padded);
   for (int64_t g = 0; g < group; ++g) {  // qt[chunk][pair][head] = q[head][the pair's two dims]
@@ -126,10 +128,10 @@ void attend_amx(const BFloat16* q, int64_t q_head_stride, const C* k_cache, cons
     if (std::is_same_v<C, BFloat16> && n == 16 && consecutive(slots + j0)) {  // the pool's rows as they are
       base = reinterpret_cast<const BFloat16*>(k_cache + slots[j0] * row_stride + offset);  // (a prompt's run)
       stride = row_stride * 2;
-    } else {  // gathered (fp8: widened); past the end, the last slot again (a duplicate changes no maximum)
+    } else {  // gathered (8-bit: widened); past the end, the last slot again (a duplicate changes no maximum)
       for (int u = 0; u < 16; ++u) {
         const C* row = k_cache + slots[j0 + std::min<int64_t>(u, n - 1)] * row_stride + offset;
-        for (int x = 0; x < kDim; x += 32) _mm512_storeu_si512(s.k_rows.data() + u * kDim + x, load32_bf16(row + x));
+        for (int x = 0; x < kDim; x += 32) _mm512_storeu_si512(s.k_rows.data() + u * kDim + x, load32_bf16<kDim>(row, x));
       }
       base = s.k_rows.data();
       stride = kDim * 2;
@@ -184,14 +186,14 @@ void attend_amx(const BFloat16* q, int64_t q_head_stride, const C* k_cache, cons
         const int64_t j = j0 + 2 * pair;
         __m512i r0[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()}, r1[2] = {r0[0], r0[1]};
         if (j < len) {
-          const C* v = v_cache + slots[j] * row_stride + offset + half * 64;
-          r0[0] = load32_bf16(v);
-          r0[1] = load32_bf16(v + 32);
+          const C* v = v_cache + slots[j] * row_stride + offset;
+          r0[0] = load32_bf16<kDim>(v, half * 64);
+          r0[1] = load32_bf16<kDim>(v, half * 64 + 32);
         }
         if (j + 1 < len) {
-          const C* v = v_cache + slots[j + 1] * row_stride + offset + half * 64;
-          r1[0] = load32_bf16(v);
-          r1[1] = load32_bf16(v + 32);
+          const C* v = v_cache + slots[j + 1] * row_stride + offset;
+          r1[0] = load32_bf16<kDim>(v, half * 64);
+          r1[1] = load32_bf16<kDim>(v, half * 64 + 32);
         }
         for (int x = 0; x < 2; ++x) {
           _mm512_storeu_si512(vp + (2 * x) * 512 + pair * 32, _mm512_permutex2var_epi16(r0[x], lo, r1[x]));

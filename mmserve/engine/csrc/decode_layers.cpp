@@ -8,7 +8,7 @@
 // post-attention RMSNorm, the gate/up GEMM, SiLU-and-mul and the down GEMM. The GEMMs are oneDNN's packed ones
 // (`mkldnn::_linear_pointwise`, as PackedLinear calls them) or `at::linear` for weights left unpacked, so the
 // result is bitwise the Python layers'. `decode_layers_quant` runs the same layers over quantized weights
-// (mmserve/quant), each linear layer through `quant_linear` as QuantLinear calls it. An fp8 pool
+// (mmserve/quant), each linear layer through `quant_linear` as QuantLinear calls it. An 8-bit pool
 // (`--kv-cache-dtype`) gets its rows rounded as the Python layers round them (mmserve.engine.cache.kv_dtype).
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
@@ -95,7 +95,8 @@ std::tuple<Tensor, Tensor> layer(const Ops& ops, const Tensor& x, const std::opt
                                  const Tensor& cos, const Tensor& sin,
                                  Tensor k_cache, Tensor v_cache, const Tensor& new_slots, const Tensor& rows,
                                  const Tensor& slots, const Tensor& lengths, double scale) {
-  const int64_t t = x.size(0), dim = k_cache.size(2), qk_width = (heads + kv_heads) * dim;
+  const bool int8 = k_cache.scalar_type() == at::kChar;  // rows of codes, then their scale's 4 bytes
+  const int64_t t = x.size(0), dim = k_cache.size(2) - (int8 ? 4 : 0), qk_width = (heads + kv_heads) * dim;
   Tensor stream = x, normed;
   if (delta.has_value()) {
     std::tie(stream, normed) = ops.add_rms_norm.call(x, *delta, norms[0], input_eps);
@@ -109,6 +110,14 @@ std::tuple<Tensor, Tensor> layer(const Ops& ops, const Tensor& x, const std::opt
   const Tensor key = qk.narrow(1, heads, kv_heads);
   if (k_cache.scalar_type() == x.scalar_type()) {
     ops.store_kv.call(k_cache, v_cache, new_slots, key, value);
+  } else if (int8) {  // codes and scales as kv_dtype.to_cache makes them, the same ops
+    auto to_cache = [](const Tensor& rows) {
+      const Tensor xf = rows.to(at::kFloat);
+      const Tensor scale = xf.abs().amax({-1}, true) / 127.0;
+      const Tensor codes = at::round(xf / at::where(scale > 0, scale, 1.0)).clamp_(-127, 127).to(at::kChar);
+      return at::cat({codes, scale.view(at::kChar)}, -1);
+    };
+    ops.store_kv.call(k_cache, v_cache, new_slots, to_cache(key), to_cache(value));
   } else {  // an fp8 pool: the rows rounded as kv_dtype.to_cache does it (saturated, then cast)
     const double top = k_cache.scalar_type() == at::kFloat8_e4m3fn ? 448.0 : 57344.0;
     auto to_cache = [&](const Tensor& t) { return at::clamp(t, -top, top).to(k_cache.scalar_type()); };

@@ -11,8 +11,8 @@ attend in two groups, both built once per step (not per layer):
   `is_causal` is top-left, right only for q == kv).
 Without `mm_attn` it falls back to HF's SDPA so the same model can still run `generate` as a reference.
 
-An fp8 pool (`--kv-cache-dtype`, mmserve.engine.cache.kv_dtype) gets the rows rounded to fp8 as they are
-written; every read widens them back to the query's dtype.
+An 8-bit pool (`--kv-cache-dtype`, mmserve.engine.cache.kv_dtype) gets the rows rounded to fp8, or as int8
+codes with their row's scale, as they are written; every read widens them back to the query's dtype.
 
 Layer kinds (`AttentionSpec`): the layers of a step are grouped into *views*, one per (pool, item blocks): a
 view is where its layers write this step's K/V (slots of the KV pool, or of the window pool for sliding-window
@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from mmserve.engine.cache.kv_dtype import is_fp8, to_cache
+from mmserve.engine.cache.kv_dtype import from_cache, is_fp8, to_cache
 from mmserve.engine.layers.attention_metadata import (  # noqa: F401 (re-exported: the metadata of `attend`)
     AttentionMetadata,
     AttentionView,
@@ -90,8 +90,8 @@ def attend(layer: int, query, key, value, meta: AttentionMetadata, scaling: floa
         out[group.rows] = decoded[:, :, 0]
     if not view.seqs:
         return out
-    k_all = k_cache.index_select(0, view.kv_slots).transpose(0, 1)  # (Hkv, sum kv, D)
-    v_all = v_cache.index_select(0, view.kv_slots).transpose(0, 1)
+    k_all = from_cache(k_cache.index_select(0, view.kv_slots), query.dtype).transpose(0, 1)  # (Hkv, sum kv, D)
+    v_all = from_cache(v_cache.index_select(0, view.kv_slots), query.dtype).transpose(0, 1)
     for seq, offset in zip(view.seqs, view.kv_offsets, strict=True):
         q = query[seq.q_start : seq.q_start + seq.q_len].transpose(0, 1).unsqueeze(0)  # (1, H, q, D)
         kv_len = seq.kv_slots.shape[0]
@@ -100,8 +100,8 @@ def attend(layer: int, query, key, value, meta: AttentionMetadata, scaling: floa
         causal = seq.mask is None  # fresh prefill: q == kv, top-left == bottom-right
         o = F.scaled_dot_product_attention(
             q,
-            k.to(q.dtype),
-            v.to(q.dtype),
+            k,
+            v,
             attn_mask=seq.mask,
             is_causal=causal,
             scale=scaling,
@@ -123,9 +123,9 @@ def _decode_attention(query, k_cache, v_cache, group: DecodeGroup, scaling) -> t
     q = query[group.rows]  # (B, H, D)
     q = q.view(b, kv_heads, heads // kv_heads, dim)  # head h reads KV head h // G (repeat_interleave order)
     flat = group.slots.view(-1)
-    k = k_cache.index_select(0, flat).view(b, length, *k_cache.shape[1:]).transpose(1, 2)  # (B, Hkv, L, D)
-    v = v_cache.index_select(0, flat).view(b, length, *v_cache.shape[1:]).transpose(1, 2)
-    out = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=group.mask, scale=scaling)
+    k = from_cache(k_cache.index_select(0, flat), q.dtype).view(b, length, kv_heads, dim).transpose(1, 2)
+    v = from_cache(v_cache.index_select(0, flat), q.dtype).view(b, length, kv_heads, dim).transpose(1, 2)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=group.mask, scale=scaling)  # k, v: (B, Hkv, L, D)
     return out.view(b, heads, 1, dim)
 
 

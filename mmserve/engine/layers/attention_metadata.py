@@ -124,7 +124,7 @@ class AttentionView:
 
 @dataclass
 class AttentionMetadata:
-    k_cache: list[torch.Tensor | None]  # per layer (num_slots, num_kv_heads, head_dim); None: no rows
+    k_cache: list[torch.Tensor | None]  # per layer (num_slots, num_kv_heads, kv_dtype.row_width); None: no rows
     v_cache: list[torch.Tensor | None]
     views: list[AttentionView]  # one per layer kind present (a model of full causal layers has one)
     view_of: list[int]  # per layer, its view (0 for layers that have no attention)
