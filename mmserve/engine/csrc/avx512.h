@@ -121,15 +121,18 @@ template <int kDim, typename C>
 inline __m512 load_row16(const C* row, int64_t d0) {
   return load16(row + d0);
 }
+// An int8 row's code x scale in float, before any rounding to T (the AMX path's conversion to bf16 rounds).
+template <int kDim, typename T>
+inline __m512 scaled16(const KvInt8<T>* row, int64_t d0) {
+  const __m128i codes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + d0));
+  return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(codes)), _mm512_set1_ps(row_scale(row, kDim)));
+}
 template <int kDim, typename T>
 inline __m512 load_row16(const KvInt8<T>* row, int64_t d0) {
-  const __m128i codes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + d0));
-  const __m512 scale = _mm512_set1_ps(row_scale(row, kDim));
-  const __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(codes)), scale);
   if constexpr (std::is_same_v<T, BFloat16>) {
-    return round_bf16(v);
+    return round_bf16(scaled16<kDim>(row, d0));
   } else {
-    return v;
+    return scaled16<kDim>(row, d0);
   }
 }
 

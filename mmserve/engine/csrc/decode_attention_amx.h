@@ -98,6 +98,10 @@ template <int kDim, typename C>
 inline __m512i load32_bf16(const C* row, int64_t x) {
   return (__m512i)_mm512_cvtne2ps_pbh(load_row16<kDim>(row, x + 16), load_row16<kDim>(row, x));
 }
+template <int kDim>
+inline __m512i load32_bf16(const KvInt8<BFloat16>* row, int64_t x) {  // cvtne2ps rounds as round_bf16 does
+  return (__m512i)_mm512_cvtne2ps_pbh(scaled16<kDim>(row, x + 16), scaled16<kDim>(row, x));
+}
 
 // One request's `group` heads of KV head `kv_head` against its `len` slots (bf16, kDim 64 or 128), with the
 // caller's tile configuration (AmxConfig(group)) loaded.
