@@ -86,3 +86,19 @@ def test_bench_engine_runs_quantized_engines_and_fp8_caches_beside_the_plain_one
     assert streamed["engine c=2 int4"] < streamed["engine c=2 int8"] < streamed["engine c=2"] / 3
     step = result["rounds"]["engine c=2 int4"][0]["decode_step"]
     assert step["gemm_floor_ms"] > 0 and step["breakdown_ms"]["gemm"] > 0
+
+
+def test_bench_engine_counts_the_rows_a_full_cache_holds(tiny_qwen2_vl, tmp_path):
+    """A KV budget that holds fewer requests than the concurrency: the rest wait, and the decode rate counts the
+    rows that ran at once; an int8 cache (a third of fp32's bytes a row here) holds all four in the same
+    budget."""
+    out = tmp_path / "engine.json"
+    args = ["--concurrency", "4", "--num-requests", "4", "--hf-requests", "1", "--output-tokens", "8"]
+    args += ["--rounds", "1", "--image-size", "32x32", "--kv-cache-mb", "0.06", "--json", str(out), "--no-profile"]
+    done = run_cli("bench", "engine", "--model", tiny_qwen2_vl, *args, "--kv-cache-dtype", "int8")
+    assert done.returncode == 0, done.stderr[-3000:]
+    rounds = json.loads(out.read_text())["rounds"]
+    (plain,), (int8,) = rounds["engine c=4"], rounds["engine c=4 kv-int8"]
+    assert 1 <= plain["decode_step"]["rows"] < 4 and int8["decode_step"]["rows"] == 4
+    assert plain["output_tokens"] == int8["output_tokens"] == 4 * 8  # the waiting requests ran too
+    assert "| engine c=4 kv-int8 | 4 |" in done.stdout

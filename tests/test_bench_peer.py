@@ -69,6 +69,10 @@ def test_peer_runs_beside_a_config(tiny_qwen2_vl, tmp_path) -> None:
         assert run["ttft_s"]["mean"] > 0 and run["output_throughput"] > 0
     # The peer is a real server measured by the bench's client; being an mmserve, it has a breakdown too.
     assert results["other"][0]["server"]["decode_s_mean"] is not None
+    # Its process tree's memory (a tiny model's server: its engine process and torch, well over 100 MB), none
+    # for the in-process baseline.
+    other = results["other"][0]
+    assert 100 < other["resident_mb"] <= other["peak_resident_mb"] and "resident_mb" not in results["hf"][0]
     assert "| hf |" in proc.stdout and "| other |" in proc.stdout
     assert gone(f"--model {tiny_qwen2_vl}")
 

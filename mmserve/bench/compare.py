@@ -19,6 +19,7 @@ from mmserve.bench import client as load
 from mmserve.bench import server_metrics, stats
 from mmserve.bench.peer import PeerSpec, start_peer, stop_peer
 from mmserve.bench.workload import WorkloadConfig, build_workload
+from mmserve.testing.probes import tree_resident_mb
 from mmserve.testing.server_process import start_server
 
 # Summary metrics shown side by side: (label, path into Summary.to_json(), higher is better)
@@ -29,6 +30,10 @@ HEADLINE = (
     ("E2E mean s", ("e2e_s", "mean"), False),
     ("req/s", ("request_throughput",), True),
     ("output tok/s", ("output_throughput",), True),
+    # the server's process tree after the round (peers' too; not the in-process hf baseline): what the weights,
+    # caches and runtime hold, and the sum of each process's peak (loading included)
+    ("resident MB", ("resident_mb",), False),
+    ("peak resident MB", ("peak_resident_mb",), False),
 )
 
 
@@ -116,14 +121,13 @@ def compare(
                     if name == "hf":
                         traces, wall_s = baseline.run(requests)
                         summary = stats.summarize(traces, wall_s, slo).to_json()
-                    elif name in peer_servers:
-                        cfg = dataclasses.replace(load_template, url=peer_servers[name].url, progress=False)
-                        summary = result_json(*run_one(cfg, requests, slo))
                     else:
-                        cfg = dataclasses.replace(
-                            load_template, url=servers[name].url, model="bench", progress=False
-                        )
+                        server = peer_servers.get(name) or servers[name]
+                        cfg = dataclasses.replace(load_template, url=server.url, progress=False)
+                        if name in servers:
+                            cfg = dataclasses.replace(cfg, model="bench")
                         summary = result_json(*run_one(cfg, requests, slo))
+                        summary["resident_mb"], summary["peak_resident_mb"] = tree_resident_mb(server.proc.pid)
                     results[name].append(summary)
                     print(
                         f"round {r + 1} {name:<16} "

@@ -106,7 +106,10 @@ def decode_rate(
     llm, images: list[Image.Image], output_tokens: int, profile: bool = True
 ) -> tuple[float, StepCost]:
     """Steady-state decode tokens/s with len(images) requests running (all prefilled, then timed steps), and
-    the cost of one such step: its median time, the GEMM floor of as many rows, and a profiled breakdown."""
+    the cost of one such step: its median time, the GEMM floor of as many rows, and a profiled breakdown.
+    Where the KV cache holds fewer requests than that, the rest wait and run after: the timed steps are those
+    of the last requests, as many as the cache held at once, and the rate counts those rows (so a cache that
+    holds more tokens per byte shows its capacity at the same --kv-cache-mb)."""
     from mmserve.multimodal.messages import parse_messages
 
     engine = llm.engine
@@ -122,19 +125,20 @@ def decode_rate(
         )
     while engine.is_prefilling:
         engine.step()
+    rows = sum(1 for r in engine.scheduler.running if not r.is_prefill)
     # the last steps, every request still decoding; none without `profile` (the profiler's events of an emulated
     # bf16 GEMM, on a CPU without native bf16, took 8 GB for three steps at 16 rows)
     profiled = min(3, max(0, output_tokens - 4)) if profile else 0
     # The first output came with the prefill.
     times, floors = steps_beside_floor(
-        engine, output_tokens - 1 - profiled, GemmFloor(engine.runner, len(images))
+        engine, output_tokens - 1 - profiled, GemmFloor(engine.runner, rows)
     )
     step_s = statistics.median(times)
     parts = breakdown(engine, profiled, step_s) if profiled else {}
     while engine.has_work:
         engine.step()
-    cost = StepCost(len(images), step_s * 1e3, statistics.median(floors) * 1e3, parts)
-    return len(images) / step_s, cost
+    cost = StepCost(rows, step_s * 1e3, statistics.median(floors) * 1e3, parts)
+    return rows / step_s, cost
 
 
 def run(
@@ -238,8 +242,9 @@ def report(results: dict[str, list[RunResult]]) -> str:
 def step_report(results: dict[str, list[RunResult]]) -> str:
     """The decode step of each engine configuration against its GEMM floor (medians over rounds)."""
     lines = [
-        "| configuration | step ms | GEMM floor ms | step / floor | GEMM | attention | sampler | scheduler | other |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| configuration | rows | step ms | GEMM floor ms | step / floor | GEMM | attention | sampler | scheduler "
+        "| other |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, runs in results.items():
         costs = [r.step for r in runs if r.step is not None]
@@ -250,7 +255,8 @@ def step_report(results: dict[str, list[RunResult]]) -> str:
         profiled = [c for c in costs if c.breakdown_ms]  # none with --no-profile: no breakdown, not zeros
         parts = [statistics.median(c.breakdown_ms[k] for c in profiled) for k in CATEGORIES] if profiled else []
         cells = " | ".join(f"{p:.1f}" for p in parts) if parts else " | ".join("-" for _ in CATEGORIES)
-        lines.append(f"| {name} | {step:.1f} | {floor:.1f} | {step / floor:.2f}x | {cells} |")
+        rows = min(c.rows for c in costs)  # requests decoding in a step: fewer than asked where the cache is full
+        lines.append(f"| {name} | {rows} | {step:.1f} | {floor:.1f} | {step / floor:.2f}x | {cells} |")
     return "\n".join(lines)
 
 

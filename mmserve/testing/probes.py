@@ -44,13 +44,25 @@ def settled_integrity(url: str, settle_s: float = 30.0) -> dict:
 
 
 # -- processes -------------------------------------------------------------------------------------------
-def rss_bytes(pid: int) -> int:
-    """Resident set size of a process (VmRSS)."""
+def rss_bytes(pid: int, field: str = "VmRSS") -> int:
+    """Resident set size of a process (VmRSS), or its peak so far (`field="VmHWM"`)."""
     with open(f"/proc/{pid}/status") as f:
         for line in f:
-            if line.startswith("VmRSS:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024
     return 0  # a zombie has no VmRSS
+
+
+def tree_resident_mb(pid: int) -> tuple[float, float]:
+    """(resident MB now, the sum of each process's peak) over `pid` and its descendants: a server's memory,
+    its engine and encoder processes included. Processes that exit meanwhile count 0."""
+    now = peak = 0
+    for p in process_tree(pid):
+        try:
+            now, peak = now + rss_bytes(p), peak + rss_bytes(p, "VmHWM")
+        except OSError:
+            pass
+    return now / 2**20, peak / 2**20
 
 
 def open_fds(pid: int) -> int:
