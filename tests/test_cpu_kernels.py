@@ -167,6 +167,20 @@ def test_int8_rows_round_trip_within_half_a_step():
     assert torch.equal(back[0, 0], torch.zeros(64)) and rows[..., :64].abs().max() == 127
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_store_kv_quantizes_int8_rows_as_to_cache_does(kernels, dtype):
+    pool = torch.zeros(8, 2, 16 + 4, dtype=torch.int8)
+    values = torch.zeros_like(pool)
+    rows = (torch.randn(3, 2, 16) * torch.tensor([1e-3, 1.0, 300.0]).view(3, 1, 1)).to(dtype)
+    rows[1, 1] = 0.0  # scale 0
+    slots = torch.tensor([5, 1, 6])
+    kernels.store_kv_(pool, values, slots, rows, rows * 2)
+    assert torch.equal(pool[slots], to_cache(rows, torch.int8))  # codes and scale bytes, bit for bit
+    assert torch.equal(values[slots], to_cache(rows * 2, torch.int8))
+    with pytest.raises(RuntimeError, match="int8 pool"):
+        kernels.store_kv_(pool, values, slots, to_cache(rows, torch.int8), to_cache(rows, torch.int8))
+
+
 def test_store_kv_writes_fp8_rows_as_they_are(kernels):
     pool = torch.zeros(8, 2, 16, dtype=torch.float8_e4m3fn)
     values = torch.zeros_like(pool)

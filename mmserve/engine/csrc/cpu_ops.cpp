@@ -10,7 +10,8 @@
 // - silu_mul: silu(gate) * up over the (T, 2I) gate/up GEMM output (in bf16 with AVX-512, torch's silu of each
 //   of the 65,536 bf16 values from a table: the eager ops' bits);
 // - store_kv_: a layer's new K and V rows into the pool at their slots, in one pass (rows already in the pool's
-//   type: 8-bit pools get them converted by the caller, mmserve.engine.cache.kv_dtype);
+//   type: fp8 pools get them converted by the caller; an int8 pool's rows are quantized here, as
+//   mmserve.engine.cache.kv_dtype does it);
 // - greedy_argmax: each row's first maximum logit (torch.argmax's ids), rows and pieces of rows in parallel;
 // - decode_attention_ (decode_attention.cpp): every one-row query against its own slots, reading K and V in
 //   place in the pool (no gather), the G query heads that share a KV head together so each K/V row is read once
@@ -212,18 +213,56 @@ Tensor silu_mul(const Tensor& gate_up) {
 }
 
 // k_cache[slots[t]] = key[t], v_cache[slots[t]] = value[t] for every new token t (any row strides): a layer's
+// One (token, KV head) row of an int8 pool, made from `dim` values as kv_dtype.to_cache makes it, with the
+// same float operations: scale = max |x| / 127, codes = round-half-even(x / scale) clamped to [-127, 127], the
+// scale's four bytes after the codes.
+template <typename T>
+void quantize_row(const T* x, int64_t dim, int8_t* out) {
+  float top = 0.f;
+  for (int64_t d = 0; d < dim; ++d) top = std::max(top, std::abs(to_f(x[d])));
+  const float scale = top / 127.0f, safe = scale > 0.f ? scale : 1.0f;
+  for (int64_t d = 0; d < dim; ++d)
+    out[d] = static_cast<int8_t>(std::min(std::max(std::nearbyint(to_f(x[d]) / safe), -127.0f), 127.0f));
+  std::memcpy(out + dim, &scale, sizeof(scale));
+}
+
+// A layer's new rows into an int8 pool (S, Hkv, D + 4), each quantized on its way in: one pass, where the eager
+// quantization was a dozen ops a layer.
+void store_kv_int8(Tensor& k_cache, Tensor& v_cache, const int64_t* sp, const Tensor& key, const Tensor& value) {
+  const int64_t rows = key.size(0), heads = key.size(1), dim = key.size(2), width = k_cache.size(2);
+  int8_t* kc = static_cast<int8_t*>(k_cache.data_ptr());
+  int8_t* vc = static_cast<int8_t*>(v_cache.data_ptr());
+  dispatch(key.scalar_type(), [&](auto tag) {
+    using scalar_t = decltype(tag);
+    const scalar_t* kp = key.data_ptr<scalar_t>();
+    const scalar_t* vp = value.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, grain(heads * dim * 16), [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t)
+        for (int64_t h = 0; h < heads; ++h) {
+          quantize_row(kp + t * key.stride(0) + h * key.stride(1), dim, kc + (sp[t] * heads + h) * width);
+          quantize_row(vp + t * value.stride(0) + h * value.stride(1), dim, vc + (sp[t] * heads + h) * width);
+        }
+    });
+  });
+}
+
 // pool write in one pass, where two index_copy_ calls and their casts cost 40-50 us a layer at one row.
+// An int8 pool takes the rows in the model's dtype and quantizes them (store_kv_int8); any other pool takes
+// rows already in its type.
 void store_kv_(Tensor k_cache, Tensor v_cache, const Tensor& slots, const Tensor& key, const Tensor& value) {
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 3 &&
                   k_cache.sizes() == v_cache.sizes() && k_cache.scalar_type() == v_cache.scalar_type() &&
                   k_cache.device().is_cpu() && v_cache.device().is_cpu(),
               "store_kv_: k_cache and v_cache (S, Hkv, D), contiguous, on the CPU");
-  TORCH_CHECK(key.device().is_cpu() && value.device().is_cpu() && key.dim() == 3 && key.sizes() == value.sizes() &&
-                  key.size(1) == k_cache.size(1) && key.size(2) == k_cache.size(2) && key.stride(2) == 1 &&
-                  value.stride(2) == 1 && key.scalar_type() == k_cache.scalar_type() &&
-                  value.scalar_type() == k_cache.scalar_type(),
-              "store_kv_: key and value (T, Hkv, D) with contiguous heads, of the pool's row shape and dtype");
   const at::ScalarType pool_type = k_cache.scalar_type();
+  const bool int8 = pool_type == at::kChar;
+  TORCH_CHECK(key.device().is_cpu() && value.device().is_cpu() && key.dim() == 3 && key.sizes() == value.sizes() &&
+                  key.size(1) == k_cache.size(1) && key.size(2) + (int8 ? kInt8ScaleBytes : 0) == k_cache.size(2) &&
+                  key.stride(2) == 1 && value.stride(2) == 1 && value.scalar_type() == key.scalar_type() &&
+                  (int8 ? key.scalar_type() == at::kFloat || key.scalar_type() == at::kBFloat16
+                        : key.scalar_type() == pool_type),
+              "store_kv_: key and value (T, Hkv, D) with contiguous heads, of the pool's row shape and dtype (an "
+              "int8 pool: float32 or bfloat16 rows of D values, quantized here)");
   TORCH_CHECK(pool_type == at::kFloat || pool_type == at::kBFloat16 || pool_type == at::kFloat8_e4m3fn ||
                   pool_type == at::kFloat8_e5m2 || pool_type == at::kChar,
               "store_kv_: the pool must be float32, bfloat16, fp8 or int8 (its rows converted by the caller)");
@@ -234,6 +273,10 @@ void store_kv_(Tensor k_cache, Tensor v_cache, const Tensor& slots, const Tensor
   const int64_t* sp = slots.data_ptr<int64_t>();
   for (int64_t t = 0; t < rows; ++t)  // a bad slot would write outside the pool
     TORCH_CHECK(sp[t] >= 0 && sp[t] < num_slots, "store_kv_: slot out of range");
+  if (int8) {
+    store_kv_int8(k_cache, v_cache, sp, key, value);
+    return;
+  }
   // Bytes moved as they are: the rows are already in the pool's type.
   const int64_t item = k_cache.element_size(), row = heads * dim * item, bytes = dim * item;
   char* kc = static_cast<char*>(k_cache.data_ptr());

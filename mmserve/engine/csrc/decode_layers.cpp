@@ -108,16 +108,8 @@ std::tuple<Tensor, Tensor> layer(const Ops& ops, const Tensor& x, const std::opt
   ops.rope.call(qk, cos, sin);  // in place: qkv is this layer's own
   const Tensor value = qkv.narrow(1, qk_width, kv_heads * dim).view({t, kv_heads, dim});
   const Tensor key = qk.narrow(1, heads, kv_heads);
-  if (k_cache.scalar_type() == x.scalar_type()) {
+  if (k_cache.scalar_type() == x.scalar_type() || int8) {  // an int8 pool: store_kv_ quantizes the rows
     ops.store_kv.call(k_cache, v_cache, new_slots, key, value);
-  } else if (int8) {  // codes and scales as kv_dtype.to_cache makes them, the same ops
-    auto to_cache = [](const Tensor& rows) {
-      const Tensor xf = rows.to(at::kFloat);
-      const Tensor scale = xf.abs().amax({-1}, true) / 127.0;
-      const Tensor codes = at::round(xf / at::where(scale > 0, scale, 1.0)).clamp_(-127, 127).to(at::kChar);
-      return at::cat({codes, scale.view(at::kChar)}, -1);
-    };
-    ops.store_kv.call(k_cache, v_cache, new_slots, to_cache(key), to_cache(value));
   } else {  // an fp8 pool: the rows rounded as kv_dtype.to_cache does it (saturated, then cast)
     const double top = k_cache.scalar_type() == at::kFloat8_e4m3fn ? 448.0 : 57344.0;
     auto to_cache = [&](const Tensor& t) { return at::clamp(t, -top, top).to(k_cache.scalar_type()); };

@@ -66,9 +66,11 @@ def attend(layer: int, query, key, value, meta: AttentionMetadata, scaling: floa
     group, kernels = view.decode, meta.kernels  # the pool holds the model's dtype, which the kernels take
     if not meta.writes[layer]:
         pass  # a layer sharing another's K/V: that layer wrote this step's rows already
-    elif kernels is not None:
+    elif kernels is not None:  # an int8 pool's rows are quantized by the kernel, others' converted here
         stored = k_cache.dtype
-        kernels.store_kv_(k_cache, v_cache, view.new_slots, to_cache(key, stored), to_cache(value, stored))
+        if stored != torch.int8:
+            key, value = to_cache(key, stored), to_cache(value, stored)
+        kernels.store_kv_(k_cache, v_cache, view.new_slots, key, value)
     else:
         for cache, rows in ((k_cache, key), (v_cache, value)):
             rows = to_cache(rows, cache.dtype)
