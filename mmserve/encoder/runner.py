@@ -34,7 +34,7 @@ from mmserve.multimodal.errors import MediaError, UnsupportedMediaError
 from mmserve.multimodal.items import MAIN, ItemEmbedding, Modality, content_hash
 from mmserve.multimodal.media import MediaRef, decode_audio, decode_image, decode_video, load_bytes
 from mmserve.quant.linear import attach_kernels
-from mmserve.quant.quantize import quantize_linears
+from mmserve.quant.quantize import quantize_linears, release_freed_memory
 from mmserve.transport.cluster_auth import ClusterSecret
 
 TOWER_TIMEOUT_S = 300.0
@@ -214,6 +214,7 @@ def build_encoder(
     tabulate_activations(tower, torch_dtype, kernels)
     if quantization is not None:
         quantize_linears(tower, quantization, torch_dtype)
+        release_freed_memory()
     attach_kernels(tower, kernels)  # a checkpoint's own quantized tower layers, or those just made
     if pack_weights and can_pack(torch_dtype, torch_device, fp32_gemm):
         pack_linears(tower)

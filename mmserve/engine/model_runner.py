@@ -30,7 +30,7 @@ from mmserve.models.family import ModelFamily
 from mmserve.models.loader import parse_dtype
 from mmserve.multimodal.embedding import ChunkExtras, splice_chunk
 from mmserve.quant.linear import attach_kernels, has_quantized
-from mmserve.quant.quantize import quantize_head, quantize_linears
+from mmserve.quant.quantize import quantize_head, quantize_linears, release_freed_memory
 
 
 @dataclass
@@ -109,6 +109,7 @@ class ModelRunner:
         self.attention = AttentionPlan(family.layer_specs)
         self.softcap = family.logit_softcap  # tanh(logits / cap) * cap after lm_head, as transformers does
         self._caches: tuple[tuple[int, int], tuple[list, list]] | None = None
+        release_freed_memory()  # what fusion, quantization and packing replaced, back to the OS
 
     @staticmethod
     def _segment(chunk: ScheduledChunk, row: int) -> StateSegment:
