@@ -28,6 +28,7 @@ from mmserve.engine.packed_linear import PackedLinear, can_pack, pack_linears
 from mmserve.engine.request import Request
 from mmserve.models.family import ModelFamily
 from mmserve.models.loader import parse_dtype
+from mmserve.models.weights import own_checkpoint_memory
 from mmserve.multimodal.embedding import ChunkExtras, splice_chunk
 from mmserve.quant.linear import attach_kernels, has_quantized
 from mmserve.quant.quantize import quantize_head, quantize_linears, release_freed_memory
@@ -109,7 +110,11 @@ class ModelRunner:
         self.attention = AttentionPlan(family.layer_specs)
         self.softcap = family.logit_softcap  # tanh(logits / cap) * cap after lm_head, as transformers does
         self._caches: tuple[tuple[int, int], tuple[list, list]] | None = None
-        release_freed_memory()  # what fusion, quantization and packing replaced, back to the OS
+        # the checkpoint's file mapping let go (what quantization replaced in it is never copied), and what
+        # fusion, quantization and packing replaced given back to the OS
+        own_checkpoint_memory(self.language_model)
+        own_checkpoint_memory(self.lm_head)
+        release_freed_memory()
 
     @staticmethod
     def _segment(chunk: ScheduledChunk, row: int) -> StateSegment:

@@ -31,6 +31,41 @@ def checkpoint_files(path: str) -> list[str]:
     raise FileNotFoundError(f"no safetensors weights in {path}")
 
 
+def checkpoint_mappings() -> list[tuple[int, int]]:
+    """Address ranges (start, end) this process has mapped from safetensors files (Linux; none elsewhere)."""
+    try:
+        with open("/proc/self/maps") as f:
+            lines = f.readlines()
+    except OSError:
+        return []
+    ranges = []
+    for line in lines:
+        parts = line.split(maxsplit=5)
+        if len(parts) == 6 and parts[5].strip().endswith(".safetensors"):
+            start, end = parts[0].split("-")
+            ranges.append((int(start, 16), int(end, 16)))
+    return ranges
+
+
+def own_checkpoint_memory(module: torch.nn.Module) -> int:
+    """Copy every parameter and buffer of `module` that still lives in a checkpoint file's memory map into
+    memory of its own; returns how many. transformers' loading hands out tensors backed by the safetensors
+    mmap, and one such tensor (a norm, the embedding table) keeps the whole mapping, with every page ever read
+    resident: the `small` int4 engine showed 1.1 GB of the file in its RSS after quantization had replaced the
+    weights those pages held. Run after quantization, so the weights it replaced are never copied."""
+    ranges = checkpoint_mappings()
+    if not ranges:
+        return 0
+    copied = 0
+    for sub in module.modules():
+        for store in (sub._parameters, sub._buffers):
+            for t in store.values():
+                if t is not None and t.device.type == "cpu" and any(a <= t.data_ptr() < b for a, b in ranges):
+                    t.data = t.data.clone()
+                    copied += 1
+    return copied
+
+
 def iter_prefixed(
     path: str, prefixes: Sequence[str], exclude: Sequence[str] = ()
 ) -> Iterator[tuple[str, torch.Tensor]]:
