@@ -110,49 +110,32 @@ def token_ids(tokenizer, tokens: tuple[str, ...]) -> dict[str, int]:
     return {t: tokenizer.convert_tokens_to_ids(t) for t in tokens}
 
 
-SIZES = ("tiny", "small", "7b")
+# The language model of each size: (hidden, intermediate, layers, heads, KV heads, init range, max positions,
+# RoPE theta). small: Qwen2-0.5B-like (GQA 14/2); 7b: Qwen2.5-VL-7B's (GQA 28/4, head size 128), a memory-sized
+# kit model for bench runs (`--quantization int4` on a 24 GB machine), never built by the tests.
+TEXT_SIZES = {
+    "tiny": (64, 96, 2, 4, 2, 0.5, 4096, 10000.0),
+    "small": (896, 4864, 24, 14, 2, 0.02, 32768, 1000000.0),
+    "7b": (3584, 18944, 28, 28, 4, 0.02, 128000, 1000000.0),
+}
+SIZES = tuple(TEXT_SIZES)
 
 
 def text_config(size: str, tokenizer, mrope_section: list[int] | None, **extra) -> dict:
     ids = token_ids(tokenizer, QWEN_TOKENS)
-    if size == "tiny":
-        text = dict(
-            hidden_size=64,
-            intermediate_size=96,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            initializer_range=0.5,
-            max_position_embeddings=4096,
-        )
-        rope = {"rope_type": "default", "rope_theta": 10000.0}
-    elif size == "small":
-        # Qwen2-0.5B-like language model (24 layers, GQA 14/2).
-        text = dict(
-            hidden_size=896,
-            intermediate_size=4864,
-            num_hidden_layers=24,
-            num_attention_heads=14,
-            num_key_value_heads=2,
-            initializer_range=0.02,
-            max_position_embeddings=32768,
-        )
-        rope = {"rope_type": "default", "rope_theta": 1000000.0}
-    elif size == "7b":
-        # Qwen2.5-VL-7B's language model (28 layers, GQA 28/4, head size 128): a memory-sized kit model for
-        # bench runs (`--quantization int4` on a 24 GB machine), never built by the tests.
-        text = dict(
-            hidden_size=3584,
-            intermediate_size=18944,
-            num_hidden_layers=28,
-            num_attention_heads=28,
-            num_key_value_heads=4,
-            initializer_range=0.02,
-            max_position_embeddings=128000,
-        )
-        rope = {"rope_type": "default", "rope_theta": 1000000.0}
-    else:
+    if size not in TEXT_SIZES:
         raise ValueError(f"unknown size {size!r}: expected one of {', '.join(SIZES)}")
+    hidden, intermediate, layers, heads, kv_heads, init, positions, theta = TEXT_SIZES[size]
+    text = dict(
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        initializer_range=init,
+        max_position_embeddings=positions,
+    )
+    rope = {"rope_type": "default", "rope_theta": theta}
     if mrope_section is not None:
         # M-RoPE sections must cover half the head dim or the first forward crashes.
         rope["mrope_section"] = {"tiny": mrope_section, "small": [8, 12, 12], "7b": [16, 24, 24]}[size]
