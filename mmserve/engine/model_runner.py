@@ -83,8 +83,10 @@ class ModelRunner:
         self.embed_tokens = self.language_model.get_input_embeddings()
         self.lm_head = lm.lm_head.to(self.device)
         self.linear_layers = wrap_linear_layers(self.language_model, family.layer_specs)
-        self.fused_layers = fuse_decoder_layers(self.language_model, family.layer_specs) if fuse_layers else 0
-        if quantization is not None:  # weight-only, after fusion: q/k/v and gate/up quantize as one layer each
+        if quantization is not None:
+            # weight-only, before fusion: every code and scale is per output row, so q/k/v (gate/up) quantized
+            # one by one and then concatenated are the codes of the fused layer, and the model-dtype copies that
+            # fusion would make of a 7B model's q/k/v and gate/up (~8 GB) are never made
             if has_quantized(self.language_model):
                 raise ValueError(
                     f"{model_config.model_path}: the checkpoint is already quantized; --quantization {quantization} "
@@ -93,6 +95,7 @@ class ModelRunner:
             quantize_linears(self.language_model, quantization, self.dtype)
             if quantize_lm_head:
                 self.lm_head = quantize_head(self.lm_head, quantization, self.dtype)
+        self.fused_layers = fuse_decoder_layers(self.language_model, family.layer_specs) if fuse_layers else 0
         self.kernels = kernels_for(self.device, self.dtype, cpu_kernels)  # None: the eager ops
         attach_kernels(self.language_model, self.kernels)  # quantized layers: a checkpoint's, or those just made
         attach_kernels(self.lm_head, self.kernels)
