@@ -69,3 +69,23 @@ def test_the_language_model_loads_without_reading_the_tower_and_mismatches_fail(
     mismatched = _edited(model_dir, str(tmp_path / "mismatched"), wrong_shape)
     with pytest.raises(ValueError, match=r"mismatched shapes"):
         load_family(mismatched).load_language_model(torch.float32, "sdpa")
+
+
+def test_the_engine_lets_go_of_the_checkpoints_memory_map(tiny_model, tmp_path):
+    """transformers' loading leaves parameters backed by the safetensors mmap; the runner copies whatever is still
+    there once quantization is done, so no engine tensor keeps the file mapped (its pages out of the RSS)."""
+    from mmserve.config import EngineConfig
+    from mmserve.engine.engine import Engine
+    from mmserve.models.weights import checkpoint_mappings, own_checkpoint_memory
+
+    model_dir = str(tmp_path / "copy")
+    shutil.copytree(tiny_model("qwen2_vl"), model_dir)  # a file of its own: no other test maps it
+    lm = load_family(model_dir).load_language_model(torch.float32, "sdpa")
+    assert checkpoint_mappings(), "the loader no longer maps the file: this test has nothing to check"
+    held = own_checkpoint_memory(lm.model)
+    assert held > 0 and own_checkpoint_memory(lm.model) == 0  # copied once; nothing in the mapping after
+    del lm
+    for quantization in (None, "int8"):
+        engine = Engine(EngineConfig(model=model_dir, language_only=True, kv_cache_mb=4, quantization=quantization))
+        runner = engine.runner
+        assert own_checkpoint_memory(runner.language_model) == 0 and own_checkpoint_memory(runner.lm_head) == 0

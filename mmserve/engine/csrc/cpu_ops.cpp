@@ -212,7 +212,6 @@ Tensor silu_mul(const Tensor& gate_up) {
   return out;
 }
 
-// k_cache[slots[t]] = key[t], v_cache[slots[t]] = value[t] for every new token t (any row strides): a layer's
 // One (token, KV head) row of an int8 pool, made from `dim` values as kv_dtype.to_cache makes it, with the
 // same float operations: scale = max |x| / 127, codes = round-half-even(x / scale) clamped to [-127, 127], the
 // scale's four bytes after the codes.
@@ -246,6 +245,7 @@ void store_kv_int8(Tensor& k_cache, Tensor& v_cache, const int64_t* sp, const Te
   });
 }
 
+// k_cache[slots[t]] = key[t], v_cache[slots[t]] = value[t] for every new token t (any row strides): a layer's
 // pool write in one pass, where two index_copy_ calls and their casts cost 40-50 us a layer at one row.
 // An int8 pool takes the rows in the model's dtype and quantizes them (store_kv_int8); any other pool takes
 // rows already in its type.
