@@ -29,12 +29,13 @@ from mmserve.engine.cpu_kernels import kernels_for
 from mmserve.engine.packed_linear import can_pack, pack_linears
 from mmserve.models.family import ModelFamily, check_pixel_limit
 from mmserve.models.loader import parse_dtype
+from mmserve.models.weights import release_freed_memory
 from mmserve.multimodal.cache import EmbeddingCache
 from mmserve.multimodal.errors import MediaError, UnsupportedMediaError
 from mmserve.multimodal.items import MAIN, ItemEmbedding, Modality, content_hash
 from mmserve.multimodal.media import MediaRef, decode_audio, decode_image, decode_video, load_bytes
 from mmserve.quant.linear import attach_kernels
-from mmserve.quant.quantize import quantize_linears, release_freed_memory
+from mmserve.quant.quantize import quantize_linears
 from mmserve.transport.cluster_auth import ClusterSecret
 
 TOWER_TIMEOUT_S = 300.0

@@ -71,23 +71,6 @@ def quantize_linears(module: torch.nn.Module, method: str, dtype: torch.dtype) -
     return done
 
 
-def release_freed_memory() -> None:
-    """Return the heap's free pages to the OS (glibc's malloc_trim). Quantizing on load frees the model-dtype
-    weights it replaces, most of them below glibc's mmap threshold (raised up to 32 MB by every large free), so
-    they stay resident in the heap until trimmed: ~300 MB of the `small` model's int8 engine. A no-op elsewhere."""
-    import ctypes
-    import ctypes.util
-
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name) if name else None
-        trim = getattr(libc, "malloc_trim", None)
-    except OSError:
-        trim = None
-    if trim is not None:
-        trim(0)
-
-
 def quantize_head(head: torch.nn.Module, method: str, dtype: torch.dtype) -> torch.nn.Module:
     """The `lm_head` quantized (a QuantLinear), or the head as it is where it is not a plain Linear or no group
     fits."""

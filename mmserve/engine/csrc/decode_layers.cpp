@@ -96,7 +96,7 @@ std::tuple<Tensor, Tensor> layer(const Ops& ops, const Tensor& x, const std::opt
                                  Tensor k_cache, Tensor v_cache, const Tensor& new_slots, const Tensor& rows,
                                  const Tensor& slots, const Tensor& lengths, double scale) {
   const bool int8 = k_cache.scalar_type() == at::kChar;  // rows of codes, then their scale's 4 bytes
-  const int64_t t = x.size(0), dim = k_cache.size(2) - (int8 ? 4 : 0), qk_width = (heads + kv_heads) * dim;
+  const int64_t t = x.size(0), dim = k_cache.size(2) - (int8 ? kInt8ScaleBytes : 0), qk_width = (heads + kv_heads) * dim;
   Tensor stream = x, normed;
   if (delta.has_value()) {
     std::tie(stream, normed) = ops.add_rms_norm.call(x, *delta, norms[0], input_eps);
