@@ -31,20 +31,29 @@ def tiny_model(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def oracles(tiny_model):
-    """arch -> its HF `generate` oracle on the family's tiny checkpoint (tests/families.py settings), built on
-    first use and shared by the session's parity modules."""
+def references(tiny_model):
+    """arch -> the HF reference (model and HF's own processor) of the family's tiny checkpoint, fp32, with the
+    tests/families.py settings; built on first use and shared by the session's parity modules."""
+    from mmserve.testing.reference import HFReference
     from tests.families import FAMILIES
-    from tests.test_engine_parity import make_oracle
 
     made = {}
 
-    def get(arch: str):
+    def get(arch: str) -> HFReference:
         if arch not in made:
-            made[arch] = make_oracle(tiny_model(arch), FAMILIES[arch].mm_kwargs)
+            made[arch] = HFReference(tiny_model(arch), mm_processor_kwargs=FAMILIES[arch].mm_kwargs)
         return made[arch]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def oracles(references):
+    """arch -> its HF `generate` oracle: Case -> ReferenceOutput (greedy, MAX_NEW tokens)."""
+    from tests.engine_helpers import reference
+    from tests.test_engine_parity import MAX_NEW
+
+    return lambda arch: lambda case: reference(references(arch), case, MAX_NEW)
 
 
 @pytest.fixture(scope="session")

@@ -17,15 +17,18 @@ class FamilyCases:
     modality: str  # the family's main modality
     mm_kwargs: dict = field(default_factory=dict)
     has_video: bool = False
+    others: tuple[str, ...] = ()  # further still modalities ("image" / "audio"), one and two items of each
 
-    def one(self, seed: int, text: str = "Describe it.", size: tuple[int, int] = (64, 48)) -> Case:
-        """One item; `size` is an image's (width, height), or (tenths of a second, -) of a clip."""
-        if self.modality == "audio":
+    def one(
+        self, seed: int, text: str = "Describe it.", size: tuple[int, int] = (64, 48), modality: str = ""
+    ) -> Case:
+        """One item; `size` is an image's (width, height), or (hundredths of a second, -) of a clip."""
+        if (modality or self.modality) == "audio":
             return audio_case([seed], text, seconds=[size[0] / 100])
         return image_case([seed], text, sizes=[size])
 
-    def two(self, seeds: list[int], text: str = "Compare them.") -> Case:
-        if self.modality == "audio":
+    def two(self, seeds: list[int], text: str = "Compare them.", modality: str = "") -> Case:
+        if (modality or self.modality) == "audio":
             return audio_case(seeds, text, seconds=[0.6, 1.3])
         return image_case(seeds, text, sizes=[(64, 48), (48, 80)])
 
@@ -47,6 +50,9 @@ class FamilyCases:
     def cases(self) -> dict[str, Case]:
         """The single-request parity cases: text only, one and two items, the video path if any."""
         out = {"text": text_case("Tell me a story about a cat."), "one": self.one(0), "two": self.two([1, 2])}
+        for k, modality in enumerate(self.others):
+            out[f"one-{modality}"] = self.one(4 + k, modality=modality)
+            out[f"two-{modality}"] = self.two([6 + 2 * k, 7 + 2 * k], modality=modality)
         if self.has_video:
             out["video"] = video_case(3, "Describe the video.")
         return out
@@ -62,5 +68,5 @@ FAMILIES = {
     "llava_onevision": FamilyCases("llava_onevision", "image", has_video=True),
     "qwen2_audio": FamilyCases("qwen2_audio", "audio"),
     "gemma3": FamilyCases("gemma3", "image"),
-    "gemma4": FamilyCases("gemma4", "image", has_video=True),
+    "gemma4": FamilyCases("gemma4", "image", has_video=True, others=("audio",)),
 }

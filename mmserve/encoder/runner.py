@@ -161,9 +161,13 @@ class MultimodalEncoder:
         return out
 
     def health_probe(self, timeout_s: float = 30.0) -> None:
-        """A real tiny encode of the family's main modality through the batcher, bypassing the cache."""
-        modality, media = self.family.probe_item()
-        self.batcher.submit(self.family.process(modality, media, {})).result(timeout=timeout_s)
+        """A real tiny encode of each of the family's modalities through the batcher, bypassing the cache."""
+        # All submitted at once: they share one batch window (an encoder told to wait seconds for a batch answers
+        # its /health within one such wait, not one per modality).
+        jobs = [self.batcher.submit(self.family.process(m, media, {})) for m, media in self.family.probe_items()]
+        deadline = time.monotonic() + timeout_s
+        for job in jobs:
+            job.result(timeout=max(0.0, deadline - time.monotonic()))
 
     def _decode(self, modality: Modality, data: bytes):
         if modality == Modality.IMAGE:

@@ -153,7 +153,7 @@ class EncoderService:
 
     @released
     def health_probe(self) -> None:
-        """A real tiny encode of the family's main modality (bypassing the cache). Raises on failure."""
+        """A real tiny encode of each of the family's modalities (bypassing the cache). Raises on failure."""
         self.encoder.health_probe(timeout_s=30)
 
     def cache_stats(self) -> dict[str, Any]:

@@ -126,6 +126,11 @@ class ModelFamily(Protocol):
         """A tiny decoded item of this family's main modality for encoder health probes."""
         ...
 
+    def probe_items(self) -> list[tuple[Modality, Any]]:
+        """A tiny decoded item of every modality the towers accept (`CausalLM`: `probe_item`'s, and gray frames
+        or silence for the others): an encoder's `/health` encodes each."""
+        ...
+
     # -- weights and forward --------------------------------------------------------------------------
     def load_language_model(self, dtype: torch.dtype, attn_implementation: str) -> LanguageModel:
         """Only the language model and its head (no tower weights are read)."""
@@ -187,10 +192,19 @@ class CausalLM:
     def item_settings(self, modalities: Sequence[Modality]) -> list[dict[str, Any]]:
         return [{} for _ in modalities]
 
+    def probe_items(self) -> list[tuple[Modality, Any]]:
+        main, media = self.probe_item()
+        out = [(main, media)]
+        for modality in sorted(self.modalities - {main}, key=lambda m: m.value):
+            out.append((modality, probe_media(modality, media if main == Modality.IMAGE else None, self)))
+        return out
+
     def positions(self, expanded: ExpandedPrompt) -> tuple[torch.Tensor, int]:
         return sequential_positions(expanded)
 
-    def lm_inputs(self, num_tokens: int, positions: torch.Tensor, rows: dict[str, torch.Tensor]) -> dict[str, Any]:
+    def lm_inputs(
+        self, num_tokens: int, positions: torch.Tensor, rows: dict[str, torch.Tensor]
+    ) -> dict[str, Any]:
         return {}
 
     def token_inputs(self, language_model, token_ids) -> dict[str, Any]:
@@ -201,6 +215,23 @@ class CausalLM:
 
     def bidirectional_blocks(self, expanded: ExpandedPrompt) -> list[tuple[int, int]]:
         return []
+
+
+def probe_media(modality: Modality, image: Any, family: Any) -> Any:
+    """A tiny decoded item of `modality`: two frames of `image` (else 56 x 56 gray) half a second apart for a
+    video, 56 x 56 gray for an image, half a second of silence for audio."""
+    import numpy as np
+    from PIL import Image
+
+    from mmserve.multimodal.media import DecodedVideo
+
+    image = image if image is not None else Image.new("RGB", (56, 56), (128, 128, 128))
+    if modality == Modality.IMAGE:
+        return image
+    if modality == Modality.VIDEO:
+        frames = np.stack([np.asarray(image.convert("RGB"))] * 2)
+        return DecodedVideo(frames, fps=2.0, duration_s=1.0, timestamps_s=(0.0, 0.5))
+    return np.zeros(family.audio_sample_rate_hz // 2, dtype=np.float32)
 
 
 def plain_setting(value: Any) -> Any:
