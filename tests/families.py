@@ -9,6 +9,8 @@ from tests.engine_helpers import Case, audio_case, image_case, text_case, video_
 # Small videos keep the tiny models fast; each family names its own video pixel settings.
 QWEN_VIDEO = {"video_min_pixels": 56 * 56, "video_max_pixels": 112 * 112}
 QWEN3_VIDEO = {"video_min_pixels": 32 * 32 * 2, "video_max_pixels": 64 * 64 * 4}
+# GLM: a 64 x 48 clip of 4 frames resized to 84 x 56 (a 6 x 4 patch grid: height and width differ).
+GLM_VIDEO = {"video_min_pixels": 4 * 56 * 70}
 
 
 @dataclass(frozen=True)
@@ -18,6 +20,10 @@ class FamilyCases:
     mm_kwargs: dict = field(default_factory=dict)
     has_video: bool = False
     others: tuple[str, ...] = ()  # further still modalities ("image" / "audio"), one and two items of each
+    # The two clips' lengths (s). Qwen3-Omni's: equal, because transformers' processor pads a call's clips to the
+    # longest before the STFT, so HF's features of a shorter clip differ in its last mel frame from the clip
+    # featurized alone, as mmserve (and HF, for a one-clip prompt) does: tests/test_family_qwen_omni.py.
+    two_clip_seconds: tuple[float, float] = (0.6, 1.3)
 
     def one(
         self, seed: int, text: str = "Describe it.", size: tuple[int, int] = (64, 48), modality: str = ""
@@ -29,7 +35,7 @@ class FamilyCases:
 
     def two(self, seeds: list[int], text: str = "Compare them.", modality: str = "") -> Case:
         if (modality or self.modality) == "audio":
-            return audio_case(seeds, text, seconds=[0.6, 1.3])
+            return audio_case(seeds, text, seconds=list(self.two_clip_seconds))
         return image_case(seeds, text, sizes=[(64, 48), (48, 80)])
 
     def bad(self) -> list[tuple[list, int, str]]:
@@ -69,4 +75,15 @@ FAMILIES = {
     "qwen2_audio": FamilyCases("qwen2_audio", "audio"),
     "gemma3": FamilyCases("gemma3", "image"),
     "gemma4": FamilyCases("gemma4", "image", has_video=True, others=("audio",)),
+    "qwen2_5_omni": FamilyCases("qwen2_5_omni", "image", QWEN_VIDEO, has_video=True, others=("audio",)),
+    "qwen3_omni_moe": FamilyCases(
+        "qwen3_omni_moe", "image", QWEN3_VIDEO, has_video=True, others=("audio",), two_clip_seconds=(1.3, 1.3)
+    ),
+    "idefics3": FamilyCases("idefics3", "image"),
+    "smolvlm": FamilyCases("smolvlm", "image", has_video=True),
+    "mistral3": FamilyCases("mistral3", "image"),
+    "internvl": FamilyCases("internvl", "image", has_video=True),
+    "minicpmv4_6": FamilyCases("minicpmv4_6", "image", has_video=True),
+    "glm4v": FamilyCases("glm4v", "image", GLM_VIDEO, has_video=True),
+    "glm4v_moe": FamilyCases("glm4v_moe", "image", GLM_VIDEO, has_video=True),
 }

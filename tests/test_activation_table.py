@@ -68,6 +68,9 @@ def test_only_bf16_towers_with_kernels_get_tables(kernels):
     assert not torch.equal(tower[1].table, tower[2].table)  # one table per kind and settings
 
 
+TABLED = ("qwen2_vl", "qwen2_5_vl", "gemma4", "glm4v", "glm4v_moe", "qwen2_5_omni")
+
+
 @pytest.mark.parametrize("arch", sorted(FAMILIES))
 def test_every_familys_encoder_keeps_its_bf16_embeddings(tiny_model, arch, kernels):
     family = load_family(tiny_model(arch))
@@ -75,8 +78,8 @@ def test_every_familys_encoder_keeps_its_bf16_embeddings(tiny_model, arch, kerne
     plain = build_encoder(family, "bfloat16", "cpu", 64, MediaConfig(), cpu_kernels=False)
     try:
         tabled = any(isinstance(m, TableActivation) for m in fused.tower.modules())
-        # QuickGELU, SiLU (Gemma 4's audio conformer); the others' GELUs have none
-        assert tabled == (arch in ("qwen2_vl", "qwen2_5_vl", "gemma4"))
+        # QuickGELU, SiLU (Gemma 4's audio conformer, GLM's merger); the others' GELUs have none
+        assert tabled == (arch in TABLED), arch
         assert not any(isinstance(m, TableActivation) for m in plain.tower.modules())
         items = []
         if Modality.AUDIO in family.modalities:

@@ -1,6 +1,6 @@
 """bf16, the CPU default for bf16 checkpoints (`--dtype auto` on AMX / AVX512-BF16), in every engine mode against
 HF `generate` in bf16: batched decode (one attention call for requests of different lengths), chunked prefill
-and a prefix-cached repeat give HF's greedy tokens. Logits are compared in fp32 only (tests/test_family_parity.py):
+and a prefix-cached repeat give HF's greedy tokens. Logits are compared in fp32 only (tests/test_conformance.py):
 bf16 rounding depends on the batch shape, so here tokens must be equal and logits close at bf16's precision."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Engine behaviour beyond the family matrix (tests/test_family_parity.py), on Qwen2-VL: prefix reuse stops
+"""Engine behaviour beyond the conformance suite (tests/test_conformance.py), on Qwen2-VL: prefix reuse stops
 at a different image, retraction under KV pressure, requests that can never fit, abort. All in fp32 against
 HF `generate`, and nothing leaks."""
 

@@ -1,5 +1,5 @@
 """The language-model wing for hybrid and MoE models (Qwen3.5, Qwen3.5-MoE, Qwen3-VL-MoE), in fp32 against HF
-`generate`, beyond the family matrix (tests/test_family_parity.py): a prefix hit right after an image, n = 3 with
+`generate`, beyond the conformance suite (tests/test_conformance.py): a prefix hit right after an image, n = 3 with
 a seed, a second conversation turn, retraction under KV and under state pressure; and the negative controls that
 show these tests see what they claim to (the state dropped between chunks, a checkpoint restored from the wrong
 position, an MoE routing with the wrong top-k). Pools and caches are clean after each."""
@@ -16,6 +16,7 @@ from mmserve.multimodal.items import Modality
 from mmserve.testing.reference import HFReference
 from tests.engine_helpers import image_case, template_messages, text_case
 from tests.families import FAMILIES
+from tests.test_conformance import llm_for
 from tests.test_engine_parity import (
     MAX_NEW,
     assert_idle_and_clean,
@@ -23,10 +24,9 @@ from tests.test_engine_parity import (
     make_llm,
     run_and_compare,
 )
-from tests.test_family_parity import llm_for
 
-HYBRIDS = ["qwen3_5", "qwen3_5_moe"]
-MOES = ["qwen3_5_moe", "qwen3_vl_moe"]
+HYBRIDS = ["qwen3_5", "qwen3_5_moe", "minicpmv4_6"]
+MOES = ["qwen3_5_moe", "qwen3_vl_moe", "glm4v_moe", "qwen3_omni_moe"]
 
 
 def item_end(prompt_ids: list[int]) -> int:
@@ -94,10 +94,14 @@ def test_a_second_conversation_turn_resumes_from_the_first_turns_donated_state(a
 
 @pytest.mark.parametrize("arch", HYBRIDS)
 def test_retraction_under_kv_pressure_resumes_exactly(arch, tiny_model, oracles):
-    # Room for 100 tokens (512 bytes each), a 61-token prompt and 10 more each: two are admitted together, run out
-    # while decoding, and the newer one is retracted, donates its state and resumes from it later.
-    llm = llm_for(tiny_model, arch, kv_cache_mb=100 * 512 / 2**20)
+    # Room for exactly two prompts that share their text before the image (Qwen3.5: 90 tokens for its 61-token
+    # prompts), 10 more each: two are admitted together, run out while decoding, and the newer one is retracted,
+    # donates its state and resumes from it later.
     cases = [image_case([83 + i], "Describe the image in detail.") for i in range(4)]
+    probe = llm_for(tiny_model, arch, kv_cache_mb=1, disable_prefix_cache=True)
+    prompt = probe.chat([cases[0].messages], greedy())[0].prompt_token_ids
+    room = 2 * len(prompt) - prompt.index(next(t for t in prompt if t >= 2**62))
+    llm = llm_for(tiny_model, arch, kv_cache_mb=room / probe.engine.pool.num_slots)
     run_and_compare(llm, oracles(arch), cases, check_logits=False)
     assert llm.engine.scheduler.stats.retractions > 0
     assert_idle_and_clean(llm)

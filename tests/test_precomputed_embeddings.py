@@ -277,7 +277,23 @@ FAMILY_MEDIA = {
     "llava_onevision": [(Modality.IMAGE, png_bytes(random_image(9, 80, 40)))],
     "qwen2_audio": [(Modality.AUDIO, wav_bytes(10, 0.8))],
     "gemma3": [(Modality.IMAGE, png_bytes(random_image(9, 80, 40)))],
+    "idefics3": [(Modality.IMAGE, png_bytes(random_image(9, 80, 40)))],
+    "smolvlm": [(Modality.IMAGE, png_bytes(random_image(9, 80, 40))), (Modality.VIDEO, mp4_bytes(8))],
+    "internvl": [(Modality.IMAGE, png_bytes(random_image(9, 80, 40))), (Modality.VIDEO, mp4_bytes(8))],
+    "mistral3": [(Modality.IMAGE, png_bytes(random_image(9, 80, 40)))],
+    "glm4v": [(Modality.IMAGE, png_bytes(random_image(7))), (Modality.VIDEO, mp4_bytes(8))],
+    "minicpmv4_6": [(Modality.IMAGE, png_bytes(random_image(9, 80, 40))), (Modality.VIDEO, mp4_bytes(8))],
     "gemma4": [
+        (Modality.IMAGE, png_bytes(random_image(7))),
+        (Modality.VIDEO, mp4_bytes(8)),
+        (Modality.AUDIO, wav_bytes(10, 0.8)),
+    ],
+    "qwen2_5_omni": [
+        (Modality.IMAGE, png_bytes(random_image(7))),
+        (Modality.VIDEO, mp4_bytes(8)),
+        (Modality.AUDIO, wav_bytes(10, 0.8)),
+    ],
+    "qwen3_omni_moe": [
         (Modality.IMAGE, png_bytes(random_image(7))),
         (Modality.VIDEO, mp4_bytes(8)),
         (Modality.AUDIO, wav_bytes(10, 0.8)),
@@ -414,6 +430,19 @@ BAD_FAMILY_FIELDS = {
         _set("audio_feature_lengths", lambda t: t["audio_feature_lengths"] * 2),
         "rows; its metadata needs",
     ),
+    # Qwen2.5-Omni: audio frames within its 4 s window; a video's grid step in (0, 3600] s.
+    "omni_audio_beyond_window": (
+        "qwen2_5_omni",
+        Modality.AUDIO,
+        _set("audio_feature_lengths", torch.tensor([10**6])),
+        "this model takes 3 to",
+    ),
+    "omni_video_seconds": (
+        "qwen2_5_omni",
+        Modality.VIDEO,
+        _set("second_per_grid_t", torch.tensor([0.0])),
+        "must be in (0, 3600]",
+    ),
     # Gemma 3: rows are whole tiles; Gemma 4: a video's timestamps, one per frame, its rows split among them.
     "gemma3_rows": ("gemma3", Modality.IMAGE, _set("image_embeds", lambda t: t["image_embeds"][:-3]), "rows"),
     "gemma4_frames": (
@@ -427,6 +456,46 @@ BAD_FAMILY_FIELDS = {
         Modality.VIDEO,
         _set("video_timestamps", torch.tensor([0.5])),
         "must hold 4 float(s)",
+    ),
+    # GLM-4.1V: the grid's h and w in whole merge blocks; a video's time per temporal patch (written as text).
+    "glm4v_grid": ("glm4v", Modality.IMAGE, _set("image_grid_thw", torch.tensor([1, 6, 7])), "multiples of 2"),
+    "glm4v_timestamps": (
+        "glm4v",
+        Modality.VIDEO,
+        _set("video_timestamps", torch.tensor([0.5])),
+        "must hold 2 float(s)",
+    ),
+    # Idefics3 / SmolVLM: an image's tile grid (`rows` x `cols` + the global image); a video's frame times.
+    "idefics3_cols_missing": ("idefics3", Modality.IMAGE, lambda t: t.pop("cols"), "no 'cols'"),
+    "idefics3_other_grid": ("idefics3", Modality.IMAGE, _set("rows", torch.tensor([1])), "are not"),
+    "smolvlm_timestamps": (
+        "smolvlm",
+        Modality.VIDEO,
+        _set("video_timestamps", torch.tensor([0.5])),
+        "must hold 3 float(s)",
+    ),
+    # Mistral 3: the resized image's sides, multiples of patch x merge (16), decide rows x (cols + breaks).
+    "mistral3_sizes_missing": ("mistral3", Modality.IMAGE, lambda t: t.pop("image_sizes"), "no 'image_sizes'"),
+    "mistral3_sizes_off_grid": ("mistral3", Modality.IMAGE, _set("image_sizes", torch.tensor([40, 64])), "of 16"),
+    # MiniCPM-V 4.6: a frame's decoded size decides its slices, hence its rows (a video: frames x those).
+    "minicpmv4_6_sizes_missing": ("minicpmv4_6", Modality.IMAGE, lambda t: t.pop("image_sizes"), "no 'image_sizes'"),
+    "minicpmv4_6_other_slices": (
+        "minicpmv4_6",
+        Modality.IMAGE,
+        _set("image_sizes", torch.tensor([200, 30])),
+        "the image of 200 x 30 pixels makes",
+    ),
+    "minicpmv4_6_video_rows": (
+        "minicpmv4_6",
+        Modality.VIDEO,
+        _set("video_embeds", lambda t: t["video_embeds"][:-2]),
+        "(a video: frames x those)",
+    ),
+    "mistral3_sizes_other_grid": (
+        "mistral3",
+        Modality.IMAGE,
+        _set("image_sizes", torch.tensor([64, 64])),
+        "rows; its metadata needs",
     ),
 }
 MEDIA_OF = {

@@ -8,25 +8,19 @@ from mmserve.testing.reference import HFReference
 from tests.engine_helpers import reference
 from tests.families import FAMILIES
 
-HF_PROCESSORS = {
-    "qwen2_vl": "Qwen2VLProcessor",
-    "qwen2_5_vl": "Qwen2_5_VLProcessor",
-    "qwen3_vl": "Qwen3VLProcessor",
-    "qwen3_vl_moe": "Qwen3VLProcessor",
-    "qwen3_5": "Qwen3VLProcessor",
-    "qwen3_5_moe": "Qwen3VLProcessor",
-    "llava_onevision": "LlavaOnevisionProcessor",
-    "qwen2_audio": "Qwen2AudioProcessor",
-    "gemma3": "Gemma3Processor",
-    "gemma4": "Gemma4Processor",
-}
+
+def hf_processor_class(arch: str) -> str:
+    """The processor class transformers' AutoProcessor picks for the model type."""
+    from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES
+
+    return PROCESSOR_MAPPING_NAMES[arch]
 
 
 @pytest.mark.parametrize("arch", sorted(FAMILIES))
 def test_reference_uses_transformers_processor_and_reacts_to_media(arch, tiny_model):
     spec = FAMILIES[arch]
     ref = HFReference(tiny_model(arch), mm_processor_kwargs=spec.mm_kwargs)
-    assert type(ref.processor).__name__ == HF_PROCESSORS[arch]
+    assert type(ref.processor).__name__ == hf_processor_class(arch)
     assert type(ref.processor).__module__.startswith("transformers.")
     first, again, other = (reference(ref, spec.one(seed), 8) for seed in (0, 0, 1))
     vocab = ref.model.config.get_text_config().vocab_size

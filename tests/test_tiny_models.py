@@ -29,9 +29,21 @@ PLACEHOLDERS = {
     "qwen2_audio": "<|AUDIO|>",
     "gemma3": "<start_of_image>",  # transformers' Gemma 3 processor expands its boi token
     "gemma4": "<|image|>",
+    "qwen2_5_omni": "<|IMAGE|>",
+    "qwen3_omni_moe": "<|IMAGE|>",
+    "internvl": "<IMG_CONTEXT>",  # transformers' InternVL processor wraps it in <img> ... </img>
+    "mistral3": "[IMG]",  # transformers' Pixtral processor expands it into the image's rows and breaks
+    "idefics3": "<image>",  # transformers' Idefics3 / SmolVLM processors expand it into tiles and row markers
+    "smolvlm": "<image>",
+    "minicpmv4_6": "<|image_pad|>",  # transformers' MiniCPM-V 4.6 processor writes its id, overview and slices
+    "glm4v": "<|image|>",  # transformers' GLM-4.1V processor expands it inside <|begin_of_image|> ... <|end_of_image|>
+    "glm4v_moe": "<|image|>",
 }
 # Each kit's chat format after a user turn "hi" and the generation prompt
 TURN_ENDS = {"gemma3": "hi<end_of_turn>\n<start_of_turn>model\n", "gemma4": "hi<end_of_turn>\n<start_of_turn>model\n"}
+TURN_ENDS["mistral3"] = "hi[/INST]"  # Mistral's format has no generation prompt
+TURN_ENDS["idefics3"] = TURN_ENDS["smolvlm"] = "hi<end_of_utterance>\nAssistant:"
+TURN_ENDS["glm4v"] = TURN_ENDS["glm4v_moe"] = "hi<|assistant|>\n"
 QWEN_TURN_END = "hi<|im_end|>\n<|im_start|>assistant\n"
 # Gemma's kits draw 0.2 and make the branches louder instead (mmserve/testing/kit_gemma.py: louder_branches)
 INIT_RANGE = {"gemma3": 0.2, "gemma4": 0.2}
@@ -49,7 +61,7 @@ def test_loads_with_plain_transformers(arch, tiny_model):
     model = AutoModelForMultimodalLM.from_pretrained(path)
     tok = AutoTokenizer.from_pretrained(path)
     placeholder = tok.convert_tokens_to_ids(PLACEHOLDERS[arch])
-    config = model.config
+    config = getattr(model.config, "thinker_config", model.config)  # Qwen-Omni: the thinker's
     ids = {getattr(config, n, None) for n in ("image_token_id", "audio_token_id", "boi_token_id", "boi_token_index")}
     assert placeholder in ids
     assert all(t < config.get_text_config().vocab_size for t in tok.all_special_ids)

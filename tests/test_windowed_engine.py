@@ -1,5 +1,5 @@
 """Sliding windows, bidirectional image blocks, KV sharing, per-layer embeddings and the logit soft-cap (Gemma 3 and
-Gemma 4), in fp32 against HF `generate`, beyond the family matrix (tests/test_family_parity.py): prompts far
+Gemma 4), in fp32 against HF `generate`, beyond the conformance suite (tests/test_conformance.py): prompts far
 longer than the window with the window rows behind it freed, a hit right after an image, a second turn,
 retraction under pressure, Gemma 3's pan-and-scan, Gemma 4's audio and soft-token budget, the expansion through
 the tokenizer; and the negative controls that show these tests see what they claim to. Pools and caches are
@@ -22,6 +22,7 @@ from tests.engine_helpers import (
     text_case,
 )
 from tests.families import FAMILIES
+from tests.test_conformance import llm_for
 from tests.test_engine_parity import (
     MAX_NEW,
     assert_idle_and_clean,
@@ -30,7 +31,6 @@ from tests.test_engine_parity import (
     make_oracle,
     run_and_compare,
 )
-from tests.test_family_parity import llm_for
 
 GEMMAS = ["gemma3", "gemma4"]
 LONG = "Describe the image in one sentence. The quick brown fox jumps over the lazy dog near the river bank. " * 6

@@ -122,7 +122,7 @@ class MultimodalEncoder:
                     return stored
             source.append("tower")
             t0 = time.perf_counter()
-            tower_input = self.family.process(modality, self._decode(modality, data), item.settings)
+            tower_input = self.family.process(modality, self._decode(modality, data, item.settings), item.settings)
             t1 = time.perf_counter()
             tensors = self.batcher.submit(tower_input).result(timeout=TOWER_TIMEOUT_S)
             timings.preprocess_s += t1 - t0
@@ -169,11 +169,11 @@ class MultimodalEncoder:
         for job in jobs:
             job.result(timeout=max(0.0, deadline - time.monotonic()))
 
-    def _decode(self, modality: Modality, data: bytes):
+    def _decode(self, modality: Modality, data: bytes, settings: Mapping[str, Any]):
         if modality == Modality.IMAGE:
             return decode_image(data, self.media_cfg)
         if modality == Modality.VIDEO:
-            return decode_video(data, self.media_cfg)
+            return decode_video(data, self.media_cfg, self.family.video_audio_rate_hz(settings))
         if modality == Modality.AUDIO:
             return decode_audio(data, self.media_cfg, self.family.audio_sample_rate_hz)
         raise UnsupportedMediaError(f"unknown modality {modality!r}")

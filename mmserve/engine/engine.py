@@ -34,7 +34,7 @@ from mmserve.models.family import ModelFamily, check_pixel_limit, load_family
 from mmserve.models.layer_specs import has_item_blocks, window_of
 from mmserve.models.loader import load_hf_config
 from mmserve.multimodal.embedding import PlacedEmbedding
-from mmserve.multimodal.items import ItemEmbedding, MultimodalItem
+from mmserve.multimodal.items import ItemEmbedding, MultimodalItem, check_spans
 from mmserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -179,6 +179,7 @@ class Engine:
         )
         positions, rope_delta = self.family.positions(expanded)
         blocks = self.family.bidirectional_blocks(expanded) if self.item_blocks else []
+        check_spans(expanded.items)
         ids = torch.tensor(expanded.token_ids, dtype=torch.int64)
         by_hash = {it.content_hash: it for it in items}
         embeddings = [

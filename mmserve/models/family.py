@@ -38,8 +38,17 @@ FAMILIES: dict[str, str] = {
     "qwen3_5_moe": "qwen3_5",
     "llava_onevision": "llava_onevision",
     "qwen2_audio": "qwen2_audio",
+    "qwen2_5_omni": "qwen_omni",  # the thinker only (text output)
+    "qwen3_omni_moe": "qwen_omni",  # the thinker only: MoE, DeepStack
     "gemma3": "gemma3",
     "gemma4": "gemma4",
+    "idefics3": "idefics3",
+    "smolvlm": "idefics3",  # SmolVLM / SmolVLM2: Idefics3's tiles, and videos as frames of global images
+    "mistral3": "mistral3",
+    "internvl": "internvl",
+    "minicpmv4_6": "minicpmv4_6",  # MiniCPM-V 4.6: sliced images, Qwen3.5's hybrid language model
+    "glm4v": "glm4v",
+    "glm4v_moe": "glm4v",  # GLM-4.5V: GLM-4.1V with sparse MoE blocks (transformers' modules)
 }
 
 
@@ -77,6 +86,18 @@ class ModelFamily(Protocol):
     def item_settings(self, modalities: Sequence[Modality]) -> list[dict[str, Any]]:
         """Per-item processing settings that depend on the whole request (one dict per item, usually
         empty). They travel with each item to its encoder and enter its content hash."""
+        ...
+
+    def request_item_settings(
+        self, modalities: Sequence[Modality], kwargs: Mapping[str, Any]
+    ) -> list[dict[str, Any]]:
+        """`item_settings` for a request with its own `mm_processor_kwargs` (vLLM's request field). Raises
+        ValueError (400) for kwargs the family does not take (`CausalLM`: any)."""
+        ...
+
+    def video_audio_rate_hz(self, settings: Mapping[str, Any]) -> int | None:
+        """The rate at which to decode the audio track of a video item with `settings`, or None for frames only
+        (`CausalLM`); the decoded video then carries it as `DecodedVideo.audio`."""
         ...
 
     def hash_settings(self, modality: Modality, settings: Mapping[str, Any]) -> dict[str, Any]:
@@ -191,6 +212,20 @@ class CausalLM:
 
     def item_settings(self, modalities: Sequence[Modality]) -> list[dict[str, Any]]:
         return [{} for _ in modalities]
+
+    def request_item_settings(
+        self, modalities: Sequence[Modality], kwargs: Mapping[str, Any]
+    ) -> list[dict[str, Any]]:
+        """`item_settings` for a request with its own `mm_processor_kwargs`; a family that takes none refuses
+        them (ValueError, 400)."""
+        if kwargs:
+            raise ValueError(f"this model takes no per-request mm_processor_kwargs (got {sorted(kwargs)})")
+        return self.item_settings(modalities)
+
+    def video_audio_rate_hz(self, settings: Mapping[str, Any]) -> int | None:
+        """The rate to decode a video item's audio track at (None: its frames only; Qwen-Omni's
+        audio-in-video items want it)."""
+        return None
 
     def probe_items(self) -> list[tuple[Modality, Any]]:
         main, media = self.probe_item()

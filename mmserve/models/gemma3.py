@@ -225,9 +225,7 @@ class Family(CausalLM):
 
     def load_tower(self, dtype: torch.dtype) -> torch.nn.Module:
         parts = {"model.vision_tower": "sdpa", "model.multi_modal_projector": None}
-        model, missing = weights.load_parts(self.path, self.hf_config, dtype, parts)
-        if missing:
-            raise ValueError(f"{self.path}: the checkpoint lacks tower tensors {sorted(missing)[:5]}")
+        model = weights.load_tower_parts(self.path, self.hf_config, dtype, parts)
         return Tower(model.model.vision_tower, model.model.multi_modal_projector).eval()
 
     def encode(self, tower: torch.nn.Module, batch: list[TowerInput]) -> list[dict[str, torch.Tensor]]:

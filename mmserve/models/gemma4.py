@@ -363,9 +363,7 @@ class Family(CausalLM):
         if self.hf_config.audio_config is not None:
             names += [("audio_tower", "eager"), ("embed_audio", None)]  # its own attention: no SDPA form
         parts = {f"model.{name}": attn for name, attn in names}
-        model, missing = weights.load_parts(self.path, self.hf_config, dtype, parts)
-        if missing:
-            raise ValueError(f"{self.path}: the checkpoint lacks tower tensors {sorted(missing)[:5]}")
+        model = weights.load_tower_parts(self.path, self.hf_config, dtype, parts)
         return Tower({name: getattr(model.model, name) for name, _ in names}).eval()
 
     def encode(self, tower: torch.nn.Module, batch: list[TowerInput]) -> list[dict[str, torch.Tensor]]:

@@ -95,11 +95,13 @@ class FrameSettings:
     image_std: tuple[float, ...]
 
     @classmethod
-    def from_dir(cls, path: str) -> FrameSettings:
+    def from_dir(cls, path: str, defaults: type | None = None) -> FrameSettings:
+        """`defaults`: the family's HF video-processor class, whose class attributes are its defaults."""
         from transformers.models.llava_onevision.video_processing_llava_onevision import (
-            LlavaOnevisionVideoProcessor as Defaults,
+            LlavaOnevisionVideoProcessor,
         )
 
+        Defaults = defaults or LlavaOnevisionVideoProcessor  # noqa: N806 (a class)
         raw: dict[str, Any] = {}
         file = os.path.join(path, "video_preprocessor_config.json")
         if os.path.exists(file):
@@ -108,7 +110,7 @@ class FrameSettings:
         size = raw.get("size") or Defaults.size
         if "height" not in size or "width" not in size:
             raise ValueError(
-                f"video processor size {size} is not supported: LLaVA-OneVision needs height and width"
+                f"video processor size {size} is not supported: frames need a height and a width"
             )
         values = {f.name: raw.get(f.name, getattr(Defaults, f.name, None)) for f in fields(cls)}
         values.update(
@@ -375,23 +377,7 @@ class Family(CausalLM):
         return self.tower_input(Modality.IMAGE, pixel_values, meta)
 
     def frame_pixels(self, frames: np.ndarray) -> torch.Tensor:
-        """frames (T, H, W, 3) uint8 RGB -> (T, 3, height, width) float32, as HF's video processor: each frame
-        resized (stretched), rescaled and normalized by the image processor's own methods."""
-        from transformers.image_utils import SizeDict
-
-        proc, s = self.image_processor, self.frames
-        size = SizeDict(height=s.height, width=s.width)
-        out = []
-        for frame in frames:
-            pixels = proc.process_image(Image.fromarray(frame), do_convert_rgb=True)  # (3, H, W) uint8
-            if s.do_resize:
-                pixels = proc.resize(pixels, size, resample=s.resample)
-            if s.do_rescale:
-                pixels = proc.rescale(pixels, s.rescale_factor)
-            if s.do_normalize:
-                pixels = proc.normalize(pixels, s.image_mean, s.image_std)
-            out.append(pixels)
-        return torch.from_numpy(np.stack(out)).float()
+        return frame_pixels(self.image_processor, self.frames, frames)
 
     def process_video(self, frames: np.ndarray) -> TowerInput:
         if frames.ndim != 4 or frames.shape[0] == 0:
@@ -435,6 +421,25 @@ class Family(CausalLM):
             # Independent storage per item: each lives on in the cache on its own.
             out.append({MAIN: rows.clone()})
         return out
+
+
+def frame_pixels(image_processor, s: FrameSettings, frames: np.ndarray) -> torch.Tensor:
+    """frames (T, H, W, 3) uint8 RGB -> (T, 3, height, width) float32, as HF's video processors with settings `s`:
+    each frame resized (stretched), rescaled and normalized by the image processor's own methods."""
+    from transformers.image_utils import SizeDict
+
+    size = SizeDict(height=s.height, width=s.width)
+    out = []
+    for frame in frames:
+        pixels = image_processor.process_image(Image.fromarray(frame), do_convert_rgb=True)  # (3, H, W) uint8
+        if s.do_resize:
+            pixels = image_processor.resize(pixels, size, resample=s.resample)
+        if s.do_rescale:
+            pixels = image_processor.rescale(pixels, s.rescale_factor)
+        if s.do_normalize:
+            pixels = image_processor.normalize(pixels, s.image_mean, s.image_std)
+        out.append(pixels)
+    return torch.from_numpy(np.stack(out)).float()
 
 
 def hf_video_inputs(family: Family, videos: list) -> dict[str, Any]:

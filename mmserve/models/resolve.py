@@ -7,6 +7,7 @@ torch, instead of one after the other (~4 s of each start-up on two cores).
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import logging
 import os
@@ -87,15 +88,43 @@ def cpu_has_bf16() -> bool:
 
 
 def resolve_model_path(path_or_id: str) -> str:
-    """A local directory holding the checkpoint: `path_or_id` itself, or the hub snapshot of that id."""
+    """A local directory holding the checkpoint: `path_or_id` itself, or the hub snapshot of that id. Raises
+    FileNotFoundError when there is none, ValueError for a Mistral-native checkpoint (`check_hf_format`)."""
     if os.path.isdir(path_or_id):
-        return os.path.abspath(path_or_id)
+        return check_hf_format(os.path.abspath(path_or_id))
     if path_or_id.startswith((".", "/", "~")) or path_or_id.count("/") != 1:
         raise FileNotFoundError(f"model directory {path_or_id!r} does not exist")
     from huggingface_hub import snapshot_download
 
     try:
         patterns = ["*.json", "*.safetensors", "*.txt", "*.jinja", "*.model", "*.tiktoken"]
-        return snapshot_download(path_or_id, allow_patterns=patterns)
+        # Mistral's repositories may carry their native weights beside the HF-format shards: never read here.
+        path = snapshot_download(
+            path_or_id, allow_patterns=patterns, ignore_patterns=[MISTRAL_NATIVE_WEIGHTS]
+        )
     except Exception as e:  # no network, unknown repo, gated model...
         raise FileNotFoundError(f"cannot find model {path_or_id!r} locally or on the hub: {e}") from e
+    return check_hf_format(path)
+
+
+MISTRAL_NATIVE_WEIGHTS = "consolidated*.safetensors"
+
+
+def check_hf_format(path: str) -> str:
+    """`path`, unless it holds a Mistral-native checkpoint (`params.json`, `consolidated*.safetensors`, no
+    `config.json`): that format needs `mistral-common`, which mmserve does not use, so it is refused (ValueError)
+    naming the Hugging Face format to use instead."""
+    if os.path.exists(os.path.join(path, "config.json")):
+        return path
+    native = os.path.exists(os.path.join(path, "params.json")) or bool(
+        fnmatch.filter(os.listdir(path), MISTRAL_NATIVE_WEIGHTS)
+    )
+    if native:
+        raise ValueError(
+            f"{path} holds a Mistral-native checkpoint (params.json, consolidated*.safetensors, no config.json), "
+            "which needs mistral-common; mmserve loads the Hugging Face format (config.json + model*.safetensors, "
+            "e.g. Mistral3ForConditionalGeneration for Mistral Small 3.x). Use a repository or revision that "
+            "ships that format (many of Mistral's ship both), or convert the checkpoint with transformers' "
+            "mistral3 conversion script"
+        )
+    return path

@@ -211,6 +211,15 @@ def load_parts(
     return model, missing
 
 
+def load_tower_parts(path: str, hf_config, dtype: torch.dtype, parts: dict[str, str | None]) -> torch.nn.Module:
+    """`load_parts` for a family's tower and projector: the composite model, every tensor of `parts` from the
+    checkpoint (a tower has no tied weights). Raises ValueError naming the first missing tensors."""
+    model, missing = load_parts(path, hf_config, dtype, parts)
+    if missing:
+        raise ValueError(f"{path}: the checkpoint lacks tower tensors {sorted(missing)[:5]}")
+    return model
+
+
 def load_language_model(path: str, hf_config, dtype: torch.dtype, attn_implementation: str, text_path: str):
     """The text model (at `text_path` in the composite model, its attention `attn_implementation`) and its head
     (`lm_head`), loaded by `load_parts`. Without a head in the checkpoint and with tied embeddings, the head

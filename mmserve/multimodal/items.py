@@ -12,7 +12,8 @@ Invariants (see docs/architecture.md):
 - span: an item occupies the half-open range [offset, offset + span) of the expanded prompt. Its
   `num_tokens` embedding rows go, in order, to the positions of that range holding its pad value; the span
   is longer than `num_tokens` only when the family interleaves text inside an item (Qwen3-VL puts a
-  timestamp before every video frame).
+  timestamp before every video frame). The spans of a request's items are disjoint (`check_spans`): media
+  that interleave, like Qwen-Omni's video with its own audio track, are ONE item whose rows are interleaved.
 
 Generic code carries an item's family metadata as opaque bytes and its tensors by name; only the model
 family (mmserve.models) reads them.
@@ -145,3 +146,16 @@ class ExpandedPrompt:
     token_ids: list[int]
     hf_token_ids: list[int]
     items: list[MultimodalItem] = field(default_factory=list)
+
+
+def check_spans(items: list[MultimodalItem]) -> None:
+    """Raises ValueError unless the items' spans are disjoint (the splice gives each prompt position to at most
+    one item's row)."""
+    end = 0
+    for item in sorted(items, key=lambda it: it.offset):
+        if item.offset < end:
+            raise ValueError(
+                f"{item.modality.value} item at [{item.offset}, {item.end}) overlaps the item before it "
+                f"(which ends at {end}): item spans must be disjoint"
+            )
+        end = item.end

@@ -177,17 +177,20 @@ class DecodedVideo:
 
     `frames` is uint8 (T, H, W, 3) RGB; `timestamps_s` the presentation time of each kept frame;
     `fps` the rate at which the kept frames are spaced (for temporal positions); `duration_s` the
-    duration of the whole video.
+    duration of the whole video; `audio` its audio track as float32 mono samples, only when the decoder was
+    asked for it (`decode_video(..., audio_rate_hz=...)`) and the video has one, else None.
     """
 
     frames: np.ndarray = field(repr=False)
     fps: float
     duration_s: float
     timestamps_s: tuple[float, ...] = field(repr=False)
+    audio: np.ndarray | None = field(default=None, repr=False)
 
 
-def decode_video(data: bytes, cfg: MediaConfig) -> DecodedVideo:
-    """Decodes video bytes with PyAV and samples frames.
+def decode_video(data: bytes, cfg: MediaConfig, audio_rate_hz: int | None = None) -> DecodedVideo:
+    """Decodes video bytes with PyAV and samples frames; with `audio_rate_hz`, also its first audio track (all
+    of it, mono at that rate, under the audio limits), if it has one.
 
     With `cfg.video_fps` frames are kept at that rate by timestamp, else uniformly over the video; at
     most `cfg.max_video_frames` are kept (uniformly subsampled). Raises MediaTooLargeError (declared
@@ -205,7 +208,17 @@ def decode_video(data: bytes, cfg: MediaConfig) -> DecodedVideo:
     kept_times = tuple(times[i] for i in keep[: len(frames)])
     span = kept_times[-1] - kept_times[0]
     fps = (len(frames) - 1) / span if len(frames) > 1 and span > 0 else (cfg.video_fps or 1.0)
-    return DecodedVideo(np.stack(frames), float(fps), float(duration), kept_times)
+    audio = None
+    if audio_rate_hz is not None and _has_audio_stream(data):
+        mono, rate = _read_pyav(data, cfg)
+        with _wrap_errors("audio track"):
+            audio = _resample(mono, rate, audio_rate_hz)
+    return DecodedVideo(np.stack(frames), float(fps), float(duration), kept_times, audio)
+
+
+def _has_audio_stream(data: bytes) -> bool:
+    with _wrap_errors("video"), av.open(io.BytesIO(data), metadata_errors="ignore") as container:
+        return bool(container.streams.audio)
 
 
 def _probe_video(container: Any, cfg: MediaConfig) -> tuple[list[float], float]:

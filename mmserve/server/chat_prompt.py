@@ -40,6 +40,7 @@ def chat_prompt(
     continue_final_message: bool = False,
     add_special_tokens: bool = False,
     tools: list[dict[str, Any]] | None = None,
+    mm_processor_kwargs: dict[str, Any] | None = None,
 ) -> ChatPrompt:
     """Raises APIError (400) for messages the server or the model cannot take."""
     cfg, family = state.cfg, state.family
@@ -74,7 +75,12 @@ def chat_prompt(
                 f"{', '.join(sorted(m.value for m in family.modalities))})",
                 "unsupported_media",
             )
-    return ChatPrompt(prompt_ids, media, family.item_settings([mod for mod, _ in media]))
+    modalities = [mod for mod, _ in media]
+    try:
+        settings = family.request_item_settings(modalities, mm_processor_kwargs or {})
+    except ValueError as e:
+        raise APIError(400, str(e), "invalid_mm_processor_kwargs") from e
+    return ChatPrompt(prompt_ids, media, settings)
 
 
 async def media_items(state: AppState, prompt: ChatPrompt, cache_salt: str | None) -> list[MediaItemMsg]:

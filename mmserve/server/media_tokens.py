@@ -46,7 +46,7 @@ def _item(state: AppState, modality: Modality, ref: MediaRef | EmbedsRef, settin
     if modality == Modality.IMAGE:
         media = decode_image(data, media_cfg)
     elif modality == Modality.VIDEO:
-        media = decode_video(data, media_cfg)
+        media = decode_video(data, media_cfg, family.video_audio_rate_hz(settings))
     else:
         media = decode_audio(data, media_cfg, family.audio_sample_rate_hz)
     tower_input = family.process(modality, media, settings)

@@ -218,6 +218,8 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool = True
+    # vLLM's extra: the family's per-request processor settings (Qwen-Omni: {"use_audio_in_video": true}).
+    mm_processor_kwargs: dict[str, Any] | None = None
 
     @property
     def requested_max_tokens(self) -> int | None:

@@ -73,7 +73,9 @@ async def chat(request: Request, state: State):
     )
     if state.cfg.disaggregation_mode == "decode":  # the prefill server rendered, tokenized and encoded it
         return await generate(request, state, body, "chat", [], [], tools)
-    prompt = chat_prompt(state, body.messages, tools=tools.tools if tools else None)
+    prompt = chat_prompt(
+        state, body.messages, tools=tools.tools if tools else None, mm_processor_kwargs=body.mm_processor_kwargs
+    )
     items = await media_items(state, prompt, body.cache_salt)
     return await generate(request, state, body, "chat", prompt.prompt_ids, items, tools)
 

@@ -72,7 +72,15 @@ class KitModel:
     edit_weights: Callable[[object], None] = field(default=lambda model: None)  # after random init
 
 
-def train_tokenizer(vocab_size: int, special_tokens: tuple[str, ...], chat_template: str):
+def train_tokenizer(
+    vocab_size: int,
+    special_tokens: tuple[str, ...],
+    chat_template: str,
+    extra: dict[str, str] | None = None,
+    eos_token: str = "<|im_end|>",
+):
+    """A byte-level BPE trained in milliseconds; `special_tokens[0]` pads. `extra`: named special tokens
+    (`extra_special_tokens`: the tokenizer's `<name>` and `<name>_id`)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -88,9 +96,10 @@ def train_tokenizer(vocab_size: int, special_tokens: tuple[str, ...], chat_templ
     tok.add_special_tokens(list(special_tokens))
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
+        eos_token=eos_token,
+        pad_token=special_tokens[0],
         additional_special_tokens=list(special_tokens[1:]),
+        **({"extra_special_tokens": extra} if extra else {}),
     )
     fast.chat_template = chat_template
     return fast
@@ -157,7 +166,6 @@ def finish_config(config, tokenizer):
     return config
 
 
-
 def qwen_vl_config(config_cls, tokenizer, text: dict, vision: dict, **extra):
     """A Qwen-VL family's config over `text` and `vision`, with its vision special tokens' ids."""
     ids = token_ids(tokenizer, SPECIAL_TOKENS)
@@ -175,4 +183,3 @@ def qwen_vl_config(config_cls, tokenizer, text: dict, vision: dict, **extra):
 def tiny_only(arch: str, size: str) -> None:
     if size != "tiny":
         raise ValueError(f"the kit builds {arch} in size 'tiny' only")
-

@@ -87,11 +87,13 @@ class HFReference:
         # An 8-bit KV cache's oracle: HF's own cache with every K and V row rounded to fp8 or int8 as it is
         # stored (mmserve.engine.cache.kv_dtype), so attention reads exactly what an 8-bit pool holds.
         self.kv_cache_dtype = kv_cache_dtype
-        self.model = load_model(model_dir, dtype=dtype)
+        module = family_module(hf_config.model_type)
+        # The part of HF's model that generates text (Qwen-Omni: its thinker; most families: the whole model).
+        self.model = getattr(module, "hf_generation_model", lambda model: model)(load_model(model_dir, dtype=dtype))
         self.tokenizer = load_tokenizer(model_dir)
         # Our family only prepares what HF cannot (video pixels); see PrecomputedVideos.
         self.family = load_family(model_dir, hf_config, mm_processor_kwargs)
-        self.processor = family_module(hf_config.model_type).hf_processor(model_dir, self.family)
+        self.processor = module.hf_processor(model_dir, self.family)
 
     def inputs(self, messages: list[dict[str, Any]], media: list[tuple[Modality, Any]]):
         """HF model inputs for template messages (one placeholder part per item) and decoded media."""

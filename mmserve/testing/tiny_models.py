@@ -38,7 +38,13 @@ from mmserve.testing.kit_base import (
     token_ids,
 )
 from mmserve.testing.kit_gemma import gemma3_kit, gemma4_kit
+from mmserve.testing.kit_glm4v import glm4v_kit
+from mmserve.testing.kit_idefics3 import idefics3_kit
+from mmserve.testing.kit_internvl import internvl_kit
+from mmserve.testing.kit_minicpmv4_6 import minicpmv4_6_kit
+from mmserve.testing.kit_mistral3 import mistral3_kit
 from mmserve.testing.kit_qwen3 import qwen3_5_kit, qwen3_vl_kit
+from mmserve.testing.kit_qwen_omni import qwen2_5_omni_kit, qwen3_omni_moe_kit
 
 
 # -- kit entries: one per family ------------------------------------------------------------------------
@@ -186,8 +192,17 @@ KIT: dict[str, Callable[[str], KitModel]] = {
     "qwen3_5_moe": lambda size: qwen3_5_kit("qwen3_5_moe", size),
     "llava_onevision": _llava_onevision,
     "qwen2_audio": _qwen2_audio,
+    "qwen2_5_omni": qwen2_5_omni_kit,
+    "qwen3_omni_moe": qwen3_omni_moe_kit,
     "gemma3": gemma3_kit,
     "gemma4": gemma4_kit,
+    "idefics3": lambda size: idefics3_kit("idefics3", size),
+    "smolvlm": lambda size: idefics3_kit("smolvlm", size),
+    "mistral3": mistral3_kit,
+    "internvl": internvl_kit,
+    "minicpmv4_6": minicpmv4_6_kit,
+    "glm4v": lambda size: glm4v_kit("glm4v", size),
+    "glm4v_moe": lambda size: glm4v_kit("glm4v_moe", size),
 }
 
 
