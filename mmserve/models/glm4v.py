@@ -36,12 +36,11 @@ from typing import Any
 
 import numpy as np
 import torch
-from PIL import Image
 
 from mmserve.models import qwen2_vl, qwen3_vl
 from mmserve.models.family import expand_placeholders
 from mmserve.models.qwen2_vl import VisionPreprocessConfig
-from mmserve.models.qwen3_vl import VideoMeta, smart_resize_video
+from mmserve.models.qwen3_vl import VideoMeta
 from mmserve.multimodal.errors import MediaDecodeError
 from mmserve.multimodal.items import MAIN, ExpandedPrompt, Modality, TowerInput
 
@@ -138,22 +137,7 @@ class Family(qwen3_vl.Family):
         frames = self.pad_frames(video.frames[keep])  # an even count already: padded for other patch sizes
         times = [video.timestamps_s[i] for i in keep]
         tp = self.cfg.temporal_patch_size
-        h, w = smart_resize_video(
-            len(frames),
-            frames.shape[1],
-            frames.shape[2],
-            tp,
-            self.cfg.factor,
-            self.cfg.video_min_pixels,
-            self.cfg.video_max_pixels,
-        )
-        # One size for the clip (above); each frame resized to it, then normalized by the image processor,
-        # whose own resize is then the identity (its pixel budget counts the temporal patch's frames).
-        resized = np.stack(
-            [np.asarray(Image.fromarray(f).resize((w, h), Image.Resampling.BICUBIC)) for f in frames]
-        )
-        budget = tp * h * w
-        pixel_values, grid = self.video_pixels(resized, {"shortest_edge": budget, "longest_edge": budget})
+        pixel_values, grid = self.clip_pixels(frames, len(frames), budget_frames=tp)
         meta = VideoMeta(grid, 1.0, tuple(float(t) for t in times[::tp]))
         return self.tower_input(Modality.VIDEO, pixel_values, meta)
 

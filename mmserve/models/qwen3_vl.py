@@ -129,23 +129,30 @@ class Family(qwen2_vl.Family):
         frames = self.pad_frames(video.frames)
         if num_frames < tp:
             raise MediaDecodeError(f"video has {num_frames} frame(s); this model needs at least {tp}")
+        pixel_values, grid = self.clip_pixels(frames, num_frames)
+        meta = VideoMeta(grid, 1.0, tuple(group_timestamps(list(video.timestamps_s), tp)))
+        return self.tower_input(Modality.VIDEO, pixel_values, meta)
+
+    def clip_pixels(
+        self, frames: np.ndarray, num_frames: int, budget_frames: int = 1
+    ) -> tuple[torch.Tensor, Any]:
+        """(pixel values, grid) of a clip: one size for the whole clip (`smart_resize_video` of its `num_frames`
+        frames), each frame resized to it, then normalized by the image processor, whose own resize is then the
+        identity given a pixel budget of `budget_frames` frames of that size (GLM's counts the temporal patch)."""
         h, w = smart_resize_video(
             num_frames,
             frames.shape[1],
             frames.shape[2],
-            tp,
+            self.cfg.temporal_patch_size,
             self.cfg.factor,
             self.cfg.video_min_pixels,
             self.cfg.video_max_pixels,
         )
-        # One size for the clip (above); each frame resized to it, then normalized by the image processor
-        # (whose own resize is then the identity).
         resized = np.stack(
             [np.asarray(Image.fromarray(f).resize((w, h), Image.Resampling.BICUBIC)) for f in frames]
         )
-        pixel_values, grid = self.video_pixels(resized, {"shortest_edge": h * w, "longest_edge": h * w})
-        meta = VideoMeta(grid, 1.0, tuple(group_timestamps(list(video.timestamps_s), tp)))
-        return self.tower_input(Modality.VIDEO, pixel_values, meta)
+        budget = budget_frames * h * w
+        return self.video_pixels(resized, {"shortest_edge": budget, "longest_edge": budget})
 
     # -- prompt ---------------------------------------------------------------------------------------
     @lru_cache(maxsize=4096)  # noqa: B019 (the family lives as long as the process)
