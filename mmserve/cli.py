@@ -86,14 +86,14 @@ def _make_tiny_model(args: argparse.Namespace) -> int:
 
     start = time.perf_counter()
     if args.quantization is None:
-        build_tiny_model(args.out, arch=args.arch, size=args.size, seed=args.seed)
+        build_tiny_model(args.out, arch=args.arch, size=args.size, seed=args.seed, thinking=args.thinking)
     else:  # the plain checkpoint beside it, then its quantized form (with the dense oracle in reference/)
         import tempfile
 
         from mmserve.testing.kit_quant import quantize_checkpoint
 
         with tempfile.TemporaryDirectory() as plain:
-            build_tiny_model(plain, arch=args.arch, size=args.size, seed=args.seed)
+            build_tiny_model(plain, arch=args.arch, size=args.size, seed=args.seed, thinking=args.thinking)
             quantize_checkpoint(plain, args.out, args.quantization, seed=args.seed)
     what = f"{args.size} {args.arch}" + (f" ({args.quantization})" if args.quantization else "")
     print(f"wrote {what} model to {args.out} in {time.perf_counter() - start:.1f}s")
@@ -143,6 +143,7 @@ def server_config_from_args(args: argparse.Namespace):
         log_stats_interval_s=args.log_stats_interval,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
         disable_ui=args.disable_ui,
     )
 
@@ -153,9 +154,14 @@ def _serve(args: argparse.Namespace) -> int:
         # (the pipeline forwards argv).
         first = args.served_model_name[0] if args.served_model_name else None
         return serve_pipeline(argparse.Namespace(**{**vars(args), "served_model_name": first}))
+    try:
+        server_cfg = server_config_from_args(args)
+    except ValueError as e:  # settings that cannot work together: one line, before any model loads
+        print(f"mmserve serve: error: {e}", file=sys.stderr)
+        return 1
     from mmserve.server.launch import serve
 
-    return serve(server_config_from_args(args), engine_config_from_args(args))
+    return serve(server_cfg, engine_config_from_args(args))
 
 
 def _encoder(args: argparse.Namespace) -> int:
@@ -218,6 +224,8 @@ def cannot_listen(flag: str, host: str, port: int) -> str | None:
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
     from mmserve.config import ServerConfig
+    from mmserve.server.reasoning import REASONING_PARSERS
+    from mmserve.server.tool_parsers import PARSERS
 
     add_engine_args(p)
     p.add_argument("--host", default="127.0.0.1")
@@ -253,9 +261,19 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--tool-call-parser",
-        default="hermes",
-        choices=["hermes"],
-        help="how tool calls are written in the output (Qwen families: hermes, <tool_call> JSON blocks)",
+        default=None,
+        choices=sorted(PARSERS),
+        help="how the model writes tool calls (vLLM's names; default: the model family's own when its chat "
+        "template renders tools: qwen3_coder for Qwen3.5 / MiniCPM-V 4.6, mistral for Mistral 3, glm45 for "
+        "GLM-4.1V / 4.5V; hermes for the rest and for templates without tools)",
+    )
+    p.add_argument(
+        "--reasoning-parser",
+        default=None,
+        choices=sorted(REASONING_PARSERS),
+        help="split a thinking model's output into `reasoning` and `content` (vLLM's names: qwen3 for Qwen3 / "
+        "Qwen3.5 / Qwen3-VL-Thinking, glm45 for GLM-4.5V / GLM-4.1V-Thinking, deepseek_r1); "
+        "output constraints and tool calls then apply to the content only",
     )
     p.add_argument("--log-level", default="info", choices=LOG_LEVELS)
     p.add_argument(
@@ -372,6 +390,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="tiny (tests), small (Qwen2-0.5B-like, bench), 7b (qwen2_5_vl only: Qwen2.5-VL-7B's shapes, 16 GB)",
     )
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--thinking",
+        action="store_true",
+        help="a thinking model (qwen3_5, qwen3_5_moe): Qwen3.6's real chat template and <think> tokens",
+    )
     p.add_argument(
         "--quantization",
         choices=KIT_FORMATS,

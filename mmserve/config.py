@@ -241,10 +241,15 @@ class ServerConfig:
     served_model_name: str = ""
     # More names the model answers to (`--served-model-name A B C`: A is the name responses report).
     served_model_aliases: tuple[str, ...] = ()
-    # Tool calling like vLLM's `--enable-auto-tool-choice --tool-call-parser hermes`: without the flag,
+    # Tool calling like vLLM's `--enable-auto-tool-choice --tool-call-parser NAME`: without the flag,
     # `tool_choice: "auto"` is a 400 (named and "required" choices are grammar-enforced and always allowed).
     enable_auto_tool_choice: bool = False
-    tool_call_parser: str = "hermes"
+    # How the model writes tool calls (mmserve.server.tool_parsers.PARSERS). None: the model family's own
+    # format when the chat template renders tools, else hermes (the format mmserve then writes tools in).
+    tool_call_parser: str | None = None
+    # vLLM's `--reasoning-parser` (mmserve.server.reasoning): a thinking model's reasoning goes into the chat
+    # message's `reasoning` field, output constraints and tool calls apply to the answer after it. None: off.
+    reasoning_parser: str | None = None
     api_key: str | None = None
     limit_mm_per_prompt: tuple[tuple[str, int], ...] = (("image", 8), ("video", 1), ("audio", 4))
     max_waiting_requests: int = 256  # beyond running + this many queued, new requests get 503
@@ -283,6 +288,20 @@ class ServerConfig:
     disaggregation_mode: str = "null"
     kv_adopt_timeout_s: float = 300.0  # decode server: longest wait for a request's prefill and KV handoff
     disable_ui: bool = False  # no playground (/), dashboard (/dashboard) nor /ui/* (server/routes_ui.py)
+
+    def __post_init__(self) -> None:
+        from mmserve.server.tool_parsers import check_tool_call_parser
+
+        check_tool_call_parser(self.tool_call_parser)
+        # A prefill or decode server answers only the router, whose every handoff carries the cluster token:
+        # without a secret that route is closed (403), so the server would come up healthy and serve nothing.
+        p_or_d = self.disaggregation_mode != "null"
+        if p_or_d and not self.cluster_secret and not self.anonymous_control_plane:
+            raise ValueError(
+                f"--disaggregation-mode {self.disaggregation_mode} needs a cluster secret: set --cluster-secret "
+                "(or $MMSERVE_CLUSTER_SECRET) to the router's, or pass --enable-anonymous-registration on a "
+                "trusted network; without either, every handoff from `mmserve router` would be refused (403)"
+            )
 
     @property
     def mm_limits(self) -> dict[str, int]:

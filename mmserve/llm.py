@@ -26,8 +26,7 @@ from mmserve.engine.request import Request
 from mmserve.llm_inputs import Prompt, check_mm_limits, check_prompts, engine_config, generate_prompt
 from mmserve.models.loader import load_tokenizer
 from mmserve.multimodal.items import Modality
-from mmserve.multimodal.media import MediaRef
-from mmserve.multimodal.messages import parse_messages
+from mmserve.multimodal.messages import MediaPart, parse_messages
 from mmserve.multimodal.precomputed import EmbedsRef, build_item
 from mmserve.outputs import ChoiceState, RequestOutput, TokenText, prompt_logprob_dicts
 from mmserve.sampling_params import SamplingParams
@@ -157,7 +156,7 @@ class LLM:
 
     # -- the loop -------------------------------------------------------------------------------
     def encode(
-        self, media: list[tuple[Modality, MediaRef | EmbedsRef]], cache_salt: str | None = None
+        self, media: list[tuple[Modality, MediaPart | EmbedsRef]], cache_salt: str | None = None
     ) -> tuple[list, EncodeTimings]:
         """Encode one prompt's media (in order) with the local encoder, hashed with `cache_salt`; precomputed
         embeddings (`image_embeds` ... parts) are checked against the family instead. Raises MediaError
@@ -168,7 +167,9 @@ class LLM:
         family = self.engine.family
         pairs = list(zip(media, family.item_settings([mod for mod, _ in media]), strict=True))
         inputs = [
-            MediaInput(mod, ref, s, cache_salt) for (mod, ref), s in pairs if not isinstance(ref, EmbedsRef)
+            MediaInput(mod, part.ref, s, cache_salt, part.uuid, part.options)
+            for (mod, part), s in pairs
+            if not isinstance(part, EmbedsRef)
         ]
         if inputs and self.encoder is None:
             raise ValueError("this LLM was built with language_only=True and cannot encode media")

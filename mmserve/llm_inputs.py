@@ -13,7 +13,7 @@ from mmserve.config import EngineConfig, MediaConfig
 from mmserve.models.resolve import resolve_dtype, resolve_model_path
 from mmserve.multimodal.items import Modality
 from mmserve.multimodal.media import MediaRef
-from mmserve.multimodal.messages import pil_media_ref
+from mmserve.multimodal.messages import MediaPart, pil_media_ref
 from mmserve.multimodal.precomputed import EmbedsRef
 
 # vLLM keywords with no mmserve equivalent, and what to use instead (in the TypeError).
@@ -74,7 +74,7 @@ def check_mm_limits(limits: dict[str, int]) -> dict[str, int]:
 class Prompt:
     text: str | None  # as given (generate) or as the chat template wrote it; None for token ids
     token_ids: list[int]  # one placeholder token per media item
-    media: list[tuple[Modality, MediaRef | EmbedsRef]]
+    media: list[tuple[Modality, MediaPart | EmbedsRef]]
     cache_salt: str | None = None
 
 
@@ -121,7 +121,7 @@ def generate_prompt(index: int, prompt: Any, tokenizer: Any) -> Prompt:
     media = []
     for key, values in (prompt.get("multi_modal_data") or {}).items():
         values = values if isinstance(values, list) else [values]
-        media.extend((Modality(key), media_ref(v)) for v in values)
+        media.extend((Modality(key), MediaPart(media_ref(v))) for v in values)
     return Prompt(text, ids, media, prompt.get("cache_salt"))
 
 

@@ -13,6 +13,8 @@ import msgspec
 MAX_N = 16
 MAX_LOGPROBS = 20  # OpenAI's top_logprobs limit
 MAX_REPETITION_PENALTY = 10.0
+# Logits divided by a penalty near 0 overflow to inf (the fuzzer's 5e-324 made the sampler's probabilities NaN).
+MIN_REPETITION_PENALTY = 0.01
 
 
 class StructuredOutputs(msgspec.Struct, frozen=True, kw_only=True):
@@ -21,6 +23,10 @@ class StructuredOutputs(msgspec.Struct, frozen=True, kw_only=True):
     `json` is a JSON schema as text (`response_format` json_schema, `guided_json`), `json_object` any JSON
     object, `regex` / `choice` / `grammar` (mmserve.engine.grammar's syntax) as vLLM's guided_* extras.
     The engine compiles it with the tokenizer and masks the logits of the rows that carry one.
+
+    `after` (a thinking model's end of reasoning, e.g. the id of `</think>`): the output is free until it
+    contains these token ids, and the constraint applies from the next token on (vLLM's reasoning-aware
+    structured outputs). Empty: from the first output token.
     """
 
     json: str | None = None
@@ -28,12 +34,15 @@ class StructuredOutputs(msgspec.Struct, frozen=True, kw_only=True):
     regex: str | None = None
     choice: tuple[str, ...] | None = None
     grammar: str | None = None
+    after: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         kinds = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
         kinds += ["json_object"] if self.json_object else []
         if len(kinds) != 1:
             raise ValueError(f"structured outputs take exactly one constraint, got {kinds or 'none'}")
+        if not all(_is_int(t) and t >= 0 for t in self.after):
+            raise ValueError(f"structured outputs' `after` must be token ids, got {self.after!r}")
         if self.choice is not None and (not self.choice or not all(isinstance(c, str) for c in self.choice)):
             raise ValueError("guided_choice must be a non-empty list of strings")
 
@@ -111,10 +120,12 @@ class SamplingParams(msgspec.Struct, kw_only=True):
                 raise ValueError(f"{name} must be in [-2, 2], got {value}")
         _check_number("repetition_penalty", self.repetition_penalty)
         if not (
-            math.isfinite(self.repetition_penalty) and 0.0 < self.repetition_penalty <= MAX_REPETITION_PENALTY
+            math.isfinite(self.repetition_penalty)
+            and MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY
         ):
             raise ValueError(
-                f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY}], got {self.repetition_penalty}"
+                f"repetition_penalty must be in [{MIN_REPETITION_PENALTY}, {MAX_REPETITION_PENALTY}], "
+                f"got {self.repetition_penalty}"
             )
         for token, bias in self.logit_bias.items():
             if not _is_int(token) or token < 0:

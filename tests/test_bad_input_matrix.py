@@ -155,7 +155,7 @@ def _cases() -> dict[str, Case]:
             "temperature",
         ),
         "message_not_object": Case(const({"messages": [1]}), 400, "messages.0"),
-        "role_unknown": Case(const({"messages": [{"role": "robot", "content": "hi"}]}), 400, "role"),
+        "role_not_string": Case(const({"messages": [{"role": 7, "content": "hi"}]}), 400, "role"),
         "content_number": Case(const({"messages": [{"role": "user", "content": 42}]}), 400, "content"),
         "max_tokens_string": Case(const(hi(max_tokens="ten")), 400, "max_tokens"),
         "max_tokens_fraction": Case(const(hi(max_tokens=2.5)), 400, "max_tokens"),
@@ -192,13 +192,23 @@ def _cases() -> dict[str, Case]:
         ),
         # fields this server does not implement are refused by name, never accepted and ignored
         "unimplemented_best_of": Case(const(hi(best_of=2)), 400, "best_of: not supported"),
-        "unimplemented_prediction": Case(
-            const(hi(prediction={"type": "content", "content": "x"})), 400, "prediction: not supported"
+        "unimplemented_audio_output": Case(
+            const(hi(audio={"voice": "alloy", "format": "wav"})), 400, "audio: not supported"
         ),
         "unimplemented_stream_option": Case(
-            const(hi(stream=True, stream_options={"continuous_usage_stats": True})),
+            const(hi(stream=True, stream_options={"include_obfuscation": True})),
             400,
-            "stream_options.continuous_usage_stats: not supported",
+            "stream_options.include_obfuscation: not supported",
+        ),
+        "stream_options_without_stream": Case(
+            const(hi(stream_options={"include_usage": True})), 400, "stream_options: only allowed when stream"
+        ),
+        "output_modality_audio": Case(const(hi(modalities=["text", "audio"])), 400, "modalities"),
+        "template_kwargs_reserved": Case(
+            const(hi(chat_template_kwargs={"tools": []})), 400, "chat_template_kwargs: tools"
+        ),
+        "prefill_and_generation_prompt": Case(
+            const(hi(continue_final_message=True)), 400, "continue_final_message"
         ),
         "unimplemented_completion_field": Case(
             const({"prompt": "hi", "max_tokens": 2, "suffix": "!"}),
@@ -206,20 +216,30 @@ def _cases() -> dict[str, Case]:
             "suffix: not supported",
             path="/v1/completions",
         ),
-        "unimplemented_message_key": Case(
-            const({"messages": [{"role": "user", "content": "hi", "name": "bob"}], "max_tokens": 2}),
+        "misplaced_message_key": Case(
+            const({"messages": [{"role": "user", "content": "hi", "tool_calls": []}], "max_tokens": 2}),
             400,
-            "'name' not supported",
+            "'tool_calls' belongs to an assistant message",
         ),
-        "unimplemented_image_detail": Case(
+        "unknown_image_detail": Case(
             const(
-                chat({"type": "image_url", "image_url": {"url": bm.data_uri(bm.image()), "detail": "high"}})
+                chat({"type": "image_url", "image_url": {"url": bm.data_uri(bm.image()), "detail": "ultra"}})
             ),
             400,
-            "only 'auto'",
+            "detail must be one of",
         ),
         "ignored_fields_control": Case(
-            const(hi(user="u-1", metadata={"k": "v"}, store=False, service_tier="auto")), 200, ""
+            const(
+                hi(
+                    user="u-1",
+                    metadata={"k": "v"},
+                    store=False,
+                    service_tier="auto",
+                    prediction={"type": "content", "content": "x"},
+                )
+            ),
+            200,
+            "",
         ),
         "text_part_not_string": Case(
             const(chat({"type": "text", "text": 7})), 400, "'text' must be a string"
@@ -258,8 +278,13 @@ def _cases() -> dict[str, Case]:
         "temperature_underflows_float32": Case(const(hi(temperature=1e-320)), 200, ""),
         # /v1/completions
         "completion_empty_prompt": Case(const({"prompt": ""}), 400, "prompt", comp),
-        "completion_token_out_of_vocab": Case(const({"prompt": [10**9]}), 400, "token ids", comp),
-        "completion_batch": Case(const({"prompt": ["a", "b"]}), 400, "batches are not supported", comp),
+        "completion_token_out_of_vocab": Case(const({"prompt": [10**9]}), 400, "token id", comp),
+        "completion_batch_token_out_of_vocab": Case(
+            const({"prompt": [[1, 2], [3, 10**9]]}), 400, "prompt[1]: token id", comp
+        ),
+        "completion_batch_empty_prompt": Case(const({"prompt": ["a", ""]}), 400, "non-empty", comp),
+        "completion_batch_mixed": Case(const({"prompt": ["a", [1, 2]]}), 400, "prompt", comp),
+        "completion_max_tokens_zero": Case(const({"prompt": "hi", "max_tokens": 0}), 400, "max_tokens", comp),
         "completion_echo_not_bool": Case(const({"prompt": "hi", "echo": [1]}), 400, "echo", comp),
         "completion_logprobs_over_limit": Case(
             const({"prompt": "hi", "logprobs": 21}), 400, "logprobs", comp

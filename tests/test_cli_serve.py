@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import shutil
 import signal
 import socket
@@ -23,6 +24,7 @@ from mmserve.models import loader, resolve
 from mmserve.server.encoder_workers import as_args, encoder_command, free_port
 from mmserve.testing.probes import child_pids
 from mmserve.testing.server_process import still_running
+from mmserve.transport.cluster_auth import ENV_VAR
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -207,6 +209,32 @@ def test_a_taken_port_fails_at_once(tmp_path):
             assert elapsed < 3, f"{command}: {elapsed:.1f} s"
     finally:
         holder.close()
+
+
+def test_a_prefill_or_decode_server_without_a_cluster_secret_is_refused_before_loading(tmp_path, monkeypatch):
+    """Without a secret, the router's every handoff would get 403: refused at start, naming how to set one."""
+    model = checkpoint(tmp_path, "never-loaded", {})
+    env = {k: v for k, v in os.environ.items() if k != ENV_VAR}
+    for mode in ("prefill", "decode"):
+        start = time.monotonic()
+        proc = subprocess.run(
+            [sys.executable, "-m", "mmserve.cli", "serve", model, "--port", str(free_port()),
+             "--disaggregation-mode", mode],
+            capture_output=True, text=True, timeout=60, env=env,
+        )  # fmt: skip
+        assert proc.returncode == 1, proc.stderr
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1 and f"--disaggregation-mode {mode}" in lines[0], proc.stderr
+        assert "--cluster-secret" in lines[0] and "$MMSERVE_CLUSTER_SECRET" in lines[0]
+        assert "--enable-anonymous-registration" in lines[0]
+        assert time.monotonic() - start < 3  # the parser only: no torch, no model
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    argv = ("serve", model, "--disaggregation-mode", "decode")
+    assert server_config_from_args(parse(*argv, "--enable-anonymous-registration")).anonymous_control_plane
+    assert server_config_from_args(parse(*argv, "--cluster-secret", "s" * 16)).cluster_secret == "s" * 16
+    monkeypatch.setenv(ENV_VAR, "e" * 16)
+    assert server_config_from_args(parse(*argv)).cluster_secret == "e" * 16
+    assert server_config_from_args(parse("serve", model)).disaggregation_mode == "null"
 
 
 def test_ctrl_c_during_a_stream_ends_cleanly(tiny_qwen2_vl, tmp_path):

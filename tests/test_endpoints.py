@@ -129,7 +129,7 @@ def test_models_list_every_served_name_and_aliases_are_served(server):
         ("/tokenize", {"prompt": 5}, "prompt"),
         ("/tokenize", {"prompt": "\ud800"}, "surrogate"),
         ("/tokenize", {"messages": []}, "messages"),
-        ("/tokenize", {"messages": [{"role": "wizard", "content": "x"}]}, "role"),
+        ("/tokenize", {"messages": [{"role": ["wizard"], "content": "x"}]}, "role"),
         ("/tokenize", {"messages": TEXT_MESSAGES, "continue_final_message": True}, "continue_final_message"),
         ("/tokenize", [1, 2], "JSON object"),
     ],

@@ -292,6 +292,45 @@ def test_abort_on_either_side_frees_everything(pair):
     pair.check()
 
 
+def test_a_handoff_with_a_first_token_outside_the_vocabulary_is_refused(pair):
+    """Its first token would be the next decode step's input and fail the whole decode batch: the commit is
+    refused (the waiting API request told), and the decode engine's running request completes."""
+    params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    good = pair.submit(PROMPTS[2], params)
+    pair.pump(lambda: bool(pair.d.scheduler.running))
+    vocab = pair.d.model_config.vocab_size
+    ctx = zmq.Context()
+    peer = ctx.socket(zmq.DEALER)
+    try:
+        peer.connect(pair.dh.bootstrap_endpoint)
+        room, prompt = uuid.uuid4().hex, PROMPTS[1]
+        pair.d_msgs += pair.dh.adopt(m.AdoptReq(room, 30.0))
+        layout = pair.dh.bootstrap.layout
+        rows = len(prompt)
+        reserve = k.Reserve(k.KV_PROTOCOL_VERSION, room, rows, rows + 4, layout, "zmq", time.time())
+        state = k.HandoffState(prompt, vocab, None, SamplingParams(max_tokens=4, temperature=0), 0, None,
+                               len(prompt), 0, 0.0, 0.0, 0.0, 0, 0, [])  # fmt: skip
+        replies = []
+        for msg in (reserve, k.Commit(room, state, time.time())):
+            peer.send_multipart([k.encoder.encode(msg), b""])
+            for _ in range(500):
+                pair.d_msgs += pair.dh.drain()
+                if peer.poll(10):
+                    break
+            replies.append(k.from_decode.decode(peer.recv_multipart()[0]))
+        assert isinstance(replies[0], k.Reserved)
+        assert isinstance(replies[1], k.Refused) and replies[1].failure.code == "bad_handoff"
+        assert f"first token {vocab} is outside the vocabulary" in replies[1].failure.message
+        assert [x.failure.code for x in pair.d_msgs if isinstance(x, m.ErrorMsg)] == ["kv_transfer_failed"]
+        pair.pump(pair.settled)
+        assert len(pair.tokens(good)) == 30
+        pair.check()
+    finally:
+        peer.close(0)
+        ctx.term()
+        pair.d_msgs.clear()
+
+
 def test_a_request_that_cannot_be_recomputed_fails_instead_of_being_retracted(tiny_qwen2_vl):
     from mmserve.disagg.kv_bootstrap import _request
 

@@ -18,6 +18,7 @@ from mmserve.engine.cache.radix_cache import RadixCache
 from mmserve.engine.engine import Engine
 from mmserve.engine.request import Request
 from mmserve.engine.scheduler import Scheduler, SchedulerConfig
+from mmserve.engine.step_output import TokenHistogram
 from mmserve.runtime.loop import EngineLoop
 from mmserve.runtime.receiver import ReceiverStats
 from mmserve.sampling_params import SamplingParams
@@ -218,6 +219,7 @@ def engine_stats(sched: Scheduler) -> StatsMsg:
         states=None,
         window_pool=None,
         overlap=SimpleNamespace(stages=0, tokens=0),
+        iteration_tokens=TokenHistogram(),
     )
     engine.stats = lambda: Engine.stats(engine)
     loop = SimpleNamespace(
@@ -309,6 +311,18 @@ def test_server_exposes_the_vllm_dashboard_series(server):
     assert grew("e2e_request_latency_seconds_count") == grew("time_to_first_token_seconds_count") == 2
     assert grew("request_prompt_tokens_sum") == prompt_tokens and grew("request_params_max_tokens_sum") == 10
     assert grew("prefix_cache_hits_total") > 0  # the second request reused the first's prompt
+    # vLLM's iteration_tokens_total (tokens per engine step) and cache_config_info
+    deadline = time.monotonic() + 20
+    while grew("iteration_tokens_total_count") < 5:  # 2 prefills + 8 decode steps at least, once stats arrive
+        assert time.monotonic() < deadline, "iteration_tokens_total never counted the steps"
+        time.sleep(0.2)
+        after = scrape(server.url)
+    assert grew("iteration_tokens_total_sum") >= 2 + 8  # prompts (cached by earlier users, but >= 1 token) + decodes
+    inf = [s for s in after["iteration_tokens_total_bucket"] if s.labels["le"] == "+Inf"]
+    assert inf[0].value == total(after, "iteration_tokens_total_count")
+    (info,) = after["cache_config_info"]
+    assert info.value == 1 and info.labels["block_size"] == "1" and int(info.labels["num_gpu_blocks"]) > 0
+    assert info.labels["enable_prefix_caching"] == "True"
     deadline = time.monotonic() + 20
     while True:  # idle: the KV slots are free again, and the prompts stay in the prefix cache
         now = scrape(server.url)

@@ -4,6 +4,7 @@ contract without a model). No model is loaded. The P/D pipeline launcher: tests/
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections.abc import Callable
 
@@ -342,6 +343,37 @@ def test_connect_failure_is_a_strike_and_a_retry(pd):
     assert pd.servers(url)[dead.url]["last_error"].startswith("dispatch: Connect")
     text = pd.http.get(f"{url}/metrics").text
     assert metric(text, "mmserve_router:retries_total", reason="decode_unreachable") >= 1
+    pd.thread.stop(router)
+
+
+def test_a_server_refusing_the_routers_token_is_named_once_in_the_log_and_in_health(pd, caplog):
+    """A server restarted with another secret (or none) answers the router's handoffs 401 / 403: the router
+    names the cause once per change in its log, in /health and to the client (a 502, not the server's 401,
+    which would read as the client's own credentials failing), and uses the server again once it accepts."""
+    p = pd.thread.serve_standin(Standin("prefill", SECRET))
+    d = pd.thread.serve_standin(Standin("decode", SECRET))
+    url, router = pd.router(static=False, prefill_urls=(p.url,), decode_urls=(d.url,), health_interval_s=0.1)
+    caplog.set_level(logging.INFO, logger="mmserve.router")
+    assert eventually(lambda: pd.http.get(f"{url}/health").status_code == 200)
+    for standin, secret, status in ((d, "another-secret-0123456789", 401), (p, None, 403)):
+        standin.secret = secret  # "restarted" with another secret (decode) or none (prefill)
+        cause = f"server {standin.url} refused the router's cluster token: {status}"
+        for i in range(3):
+            resp = pd.http.post(f"{url}/v1/chat/completions", json=chat(f"q{i}"))
+            message = resp.json()["error"]["message"]
+            assert resp.status_code in (502, 503), message
+            assert cause in message and "--cluster-secret" in message, message
+        time.sleep(0.5)  # probes go on meanwhile: still one warning
+        health = pd.http.get(f"{url}/health")
+        assert health.status_code == 503
+        assert any(cause in r and "set the same --cluster-secret" in r for r in health.json()["reasons"])
+        assert pd.servers(url)[standin.url]["refused"].startswith(cause)
+        logged = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+        assert sum(cause in line for line in logged) == 1, logged
+        standin.secret = SECRET
+        assert eventually(lambda: pd.http.get(f"{url}/health").status_code == 200)
+        assert pd.http.post(f"{url}/v1/chat/completions", json=chat("again")).status_code == 200
+        assert "refused" not in pd.http.get(f"{url}/health").text
     pd.thread.stop(router)
 
 

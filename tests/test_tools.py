@@ -1,5 +1,5 @@
 """Tool calling pieces without a server: request validation, prompt rendering, tool/assistant messages,
-Hermes output parsing and its streaming twin (mmserve.server.tools, mmserve.server.tool_parser)."""
+Hermes output parsing and its streaming twin (mmserve.server.tools, mmserve.server.tool_parsers.hermes)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import pytest
 
 from mmserve.multimodal.messages import parse_messages
 from mmserve.server.protocol import APIError
-from mmserve.server.tool_parser import ToolCallStreamParser, finish_reason_for, parse_tool_calls
+from mmserve.server.tool_parsers import finish_reason_for
+from mmserve.server.tool_parsers.hermes import HermesParser
 from mmserve.server.tools import NO_PARAMETERS, parse_tools, render_chat, tool_grammar_tools
 from mmserve.testing.tiny_models import make_tokenizer
 
@@ -319,7 +320,7 @@ CASES = _expected()
 
 @pytest.mark.parametrize("name,text,content,calls", CASES, ids=[c[0] for c in CASES])
 def test_parse_tool_calls(name: str, text: str, content: str | None, calls: list) -> None:
-    got_content, got_calls = parse_tool_calls(text)
+    got_content, got_calls = HermesParser().parse(text)
     assert got_content == content
     assert [(c["function"]["name"], c["function"]["arguments"]) for c in got_calls] == calls
     for call in got_calls:
@@ -328,9 +329,9 @@ def test_parse_tool_calls(name: str, text: str, content: str | None, calls: list
     assert len({c["id"] for c in got_calls}) == len(got_calls)
 
 
-def _stream(text: str, rng: random.Random) -> tuple[str | None, list[dict], ToolCallStreamParser]:
+def _stream(text: str, rng: random.Random) -> tuple[str | None, list[dict], HermesParser]:
     """Feeds `text` in random-size deltas; returns (content, calls as rebuilt from the deltas, parser)."""
-    parser, deltas, pos = ToolCallStreamParser(), [], 0
+    parser, deltas, pos = HermesParser(), [], 0
     while pos < len(text):
         step = rng.randint(1, 6)
         deltas += parser.feed(text[pos : pos + step])
@@ -363,13 +364,13 @@ def test_streamed_parse_equals_whole_parse(name: str, text: str, content: str | 
         assert [(c["name"], c["arguments"]) for c in got_calls] == calls
         assert [c["id"] for c in got_calls] == [c["id"] for c in parser.calls]
         assert [(c["function"]["name"], c["function"]["arguments"]) for c in parser.calls] == calls
-    one_piece = ToolCallStreamParser()
+    one_piece = HermesParser()
     deltas = one_piece.feed(text) + one_piece.finish()
     assert "".join(d.get("content", "") for d in deltas) == (content or "")
 
 
 def test_stream_holds_back_only_what_may_be_a_tag() -> None:
-    parser = ToolCallStreamParser()
+    parser = HermesParser()
     assert parser.feed("Hi <tool") == [{"content": "Hi"}]
     assert parser.feed("box> x <") == [{"content": " <toolbox> x"}]
     assert parser.feed("tool_call>") == []
@@ -393,7 +394,7 @@ def test_finish_reason() -> None:
 def test_stream_sends_the_arguments_as_they_are_written() -> None:
     """Fed one character at a time, a call's arguments are all sent before its block closes (strings with
     braces, brackets and escaped quotes do not end the object early or late)."""
-    parser, fragments = ToolCallStreamParser(), []
+    parser, fragments = HermesParser(), []
     body = f'\n{{"name": "search", "arguments": {TRICKY_ARGS}}}\n'
     for char in "<tool_call>" + body:
         for delta in parser.feed(char):

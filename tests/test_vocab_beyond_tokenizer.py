@@ -96,3 +96,14 @@ def test_json_schema_never_samples_past_the_tokenizer(wide_llm) -> None:
     choice = out.outputs[0]
     assert max(choice.token_ids) < len(tok)
     assert choice.finish_reason == "stop" and set(json.loads(choice.text)) == {"n"}
+
+
+def test_prompt_ids_past_the_tokenizer_are_valid_model_input(wide_llm) -> None:
+    """The engine's prompt check takes the embedding's size, not the tokenizer's, as the vocabulary."""
+    tok = wide_llm.get_tokenizer()
+    beyond = len(tok) + EXTRA_ROWS - 1
+    prompt = {"prompt_token_ids": [*tok("a cat")["input_ids"], beyond]}
+    [out] = wide_llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
+    assert len(out.outputs[0].token_ids) == 3
+    with pytest.raises(ValueError, match=f"token id {beyond + 1} is outside the vocabulary"):
+        wide_llm.engine.add_request("past", [beyond + 1], SamplingParams(max_tokens=1), [])

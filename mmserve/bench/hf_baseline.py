@@ -49,10 +49,10 @@ class HFBaseline:
 
     def one(self, req: BenchRequest) -> RequestTrace:
         t0 = time.perf_counter()
-        template, refs = parse_messages(req.messages)
+        template, parts = parse_messages(req.messages)
         media = []
-        for modality, ref in refs:
-            data = load_bytes(ref, self.media_cfg)
+        for modality, part in parts:
+            data = load_bytes(part.ref, self.media_cfg)
             decoded = (
                 decode_image(data, self.media_cfg)
                 if modality == Modality.IMAGE

@@ -226,6 +226,12 @@ class KvBootstrap:
             rows = room.held.slots.numel()
             if state.finish_reason is None and rows != len(state.prompt_ids):
                 raise ValueError(f"{rows} rows reserved for a {len(state.prompt_ids)}-token prompt")
+            # The first token is the next step's input, the params the sampler's: out of range (a prefill
+            # server of another model), either would fail every request of that decode batch.
+            vocab = self.engine.model_config.vocab_size
+            if not 0 <= state.first_token < vocab:
+                raise ValueError(f"first token {state.first_token} is outside the vocabulary [0, {vocab})")
+            self.engine.check_token_params(state.sampling)
             transfer = self.engine.transfer
             if len(payload):  # zmq backend: the rows (and the state) ride on the commit
                 data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)

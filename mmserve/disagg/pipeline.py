@@ -8,7 +8,9 @@ flags, so every model and engine flag reaches them unchanged; the prefill server
 
 The cluster secret (the user's, else a random one for this pipeline) reaches every child in the environment,
 never in argv. If a child exits during start-up the others are stopped and the launcher exits 1 naming it;
-a child that dies later stops the pipeline (exit 1) so that a supervisor restarts the whole.
+a child that dies later stops the pipeline (exit 1) so that a supervisor restarts the whole. Nothing is
+restarted in place here, unlike `serve --encoder-workers` (mmserve.server.encoder_workers): the pipeline is one
+unit for its supervisor, and a prefill or decode server that dies has failed every request it held.
 
 Children are stopped (SIGTERM, then SIGKILL after `stop_timeout_s`) in a `finally` whenever the launcher
 ends: a clean exit, SIGINT/SIGTERM, a failed start-up, an exception. A launcher killed with SIGKILL cannot

@@ -34,7 +34,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from mmserve.config import RouterConfig
 from mmserve.disagg.router_metrics import ROUTE_HEADER, RouteNote, RouterMetrics
-from mmserve.disagg.router_registry import ServerRegistry, UpstreamServer, affinity_key
+from mmserve.disagg.router_registry import ServerRegistry, UpstreamServer, affinity_key, refusal_reason
 from mmserve.server.protocol import APIError
 
 logger = logging.getLogger("mmserve.router")
@@ -75,9 +75,11 @@ async def relay(ctx: RouterContext, kind: str, body: dict, note: RouteNote) -> R
             if last is not None:
                 return last
             role = "prefill" if prefill is None else "decode"
+            refused = [s.refused for s in registry.all() if s.role == role and s.refused]  # say why, if known
             raise APIError(
-                503, f"no healthy {role} server", f"no_{role}_server", headers={"Retry-After": "1"}
-            )
+                503, "; ".join([f"no healthy {role} server", *refused]), f"no_{role}_server",
+                headers={"Retry-After": "1"},
+            )  # fmt: skip
         note.prefill, note.decode, note.attempts = prefill.url, decode.url, attempt
         note.room = uuid.uuid4().hex
         try:
@@ -131,6 +133,8 @@ class _Attempt:
         try:
             await self._send_decode()
             answer = await self._run_prefill()
+            if answer.status_code in (401, 403):
+                self._refused(self.prefill, answer.status_code, answer.content)
             if answer.status_code != 200:
                 passthrough = _passthrough(answer.content, answer, note)
                 if answer.status_code == 503 and _error_code(answer.content) == "decode_at_capacity":
@@ -140,6 +144,8 @@ class _Attempt:
             with contextlib.suppress(ValueError):
                 note.read_handoff(answer.json())
             upstream = await self._decode_headers()
+            if upstream.status_code in (401, 403):
+                await self._decode_finished_first()  # raises: its refusal is recorded there
             response = await _answer(self.ctx, self.decode, upstream, note, self.remaining())
             self.handed_over = isinstance(response, UpstreamStream)
             return response
@@ -218,10 +224,22 @@ class _Attempt:
             content = await asyncio.wait_for(upstream.aread(), self.remaining())
         except (httpx.HTTPError, TimeoutError) as e:
             raise _Retry(self.decode, "decode_unreachable", _unreachable(self.decode, e)) from e
+        if upstream.status_code in (401, 403):
+            self._refused(self.decode, upstream.status_code, content)
         answer = _passthrough(content, upstream, self.note)
         if upstream.status_code == 503:
             raise _Retry(self.decode, "decode_at_capacity", answer)
         raise _DecodeAnswered(answer)
+
+    def _refused(self, server: UpstreamServer, status: int, content: bytes) -> None:
+        """The server refused the router's token: the client is told why with a 502 (relaying the 401 would
+        read as the client's own credentials failing), and another server of that role is tried."""
+        reason = refusal_reason(server.url, status, content)
+        self.ctx.registry.record_refusal(server, reason)
+        self.note.status = 502
+        err = APIError(502, reason, "cluster_token_refused")
+        answer = Response(json.dumps(err.body()), 502, {ROUTE_HEADER: self.note.header()}, "application/json")
+        raise _Retry(server, "token_refused", answer)
 
     async def _decode_headers(self) -> httpx.Response:
         assert self.decode_task is not None

@@ -227,10 +227,14 @@ def _ops_routes(ctx: RouterContext) -> APIRouter:
         counts = {role: len(ctx.registry.selectable(role)) for role in ROLES}
         reasons = [f"no healthy {role} server" for role, n in counts.items() if n == 0]
         body = {"status": "unhealthy" if reasons else "ok", "healthy_servers": counts}
+        # A server refusing the router's token is named even while others serve: it is a deployment error.
+        refused = [s.refused for s in ctx.registry.all() if s.refused]
         if reasons:
             body["reasons"] = reasons + [
-                f"{s.url}: {s.last_error}" for s in ctx.registry.all() if s.last_error
+                s.refused or f"{s.url}: {s.last_error}" for s in ctx.registry.all() if s.last_error
             ]
+        elif refused:
+            body["reasons"] = refused
         return JSONResponse(body, status_code=503 if reasons else 200)
 
     @routes.get("/metrics")
@@ -268,7 +272,7 @@ def build_router_app(cfg: RouterConfig) -> FastAPI:
                 registry, ctx.http, ctx.upstream_headers, cfg.health_timeout_s, cfg.kv_transfer_backend
             )
             for s in registry.all():
-                if not s.selectable:
+                if not s.selectable and not s.refused:  # a refusal was logged as it was met
                     logger.warning(
                         "%s server %s not usable yet: %s", s.role, s.url, s.last_error or "unhealthy"
                     )

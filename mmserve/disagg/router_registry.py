@@ -14,8 +14,10 @@ Everything here runs on the router's event loop; nothing is shared with other th
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
+import logging
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -25,6 +27,7 @@ import httpx
 from mmserve.dispatch.policy import rendezvous_score
 
 ROLES = ("prefill", "decode")
+logger = logging.getLogger("mmserve.router")
 
 
 class InfoError(Exception):
@@ -33,6 +36,31 @@ class InfoError(Exception):
     def __init__(self, status: int, code: str, message: str) -> None:
         super().__init__(message)
         self.status, self.code, self.message = status, code, message
+
+
+class TokenRefused(InfoError):
+    """The server answered 401 / 403 to the router's cluster token (a secret not shared, or none there)."""
+
+    def __init__(self, url: str, status: int, content: bytes) -> None:
+        super().__init__(502, "server_info_refused", refusal_reason(url, status, content))
+
+
+def refusal_reason(url: str, status: int, content: bytes) -> str:
+    """Why a server refuses the router (its 401 / 403 answer), and the fix; the same words whichever request
+    met it (a probe or a handoff), so that a server's state changes only when its answer does."""
+    error: Any = {}
+    with contextlib.suppress(ValueError, TypeError):
+        error = json.loads(content).get("error") or {}
+    if not isinstance(error, dict):
+        error = {}
+    message = error.get("message") or content[:200].decode(errors="replace")
+    said = f"{status} {error.get('code', '')}: {message}"
+    if error.get("code") == "invalid_api_key":  # not the token: the router never sends clients' keys on
+        return f"server {url} refused the router: {said}; a prefill or decode server takes no --api-key"
+    return (
+        f"server {url} refused the router's cluster token: {said}; set the same --cluster-secret (or "
+        "$MMSERVE_CLUSTER_SECRET) on the router and the server"
+    )
 
 
 @dataclass(frozen=True)
@@ -90,6 +118,7 @@ class UpstreamServer:
     in_flight: int = 0  # requests the router has open on this server
     dispatched: int = 0  # requests ever sent here: breaks ties between equally loaded decode servers
     last_error: str | None = None
+    refused: str | None = None  # why the server refuses the router's token (`refusal_reason`), while it does
 
     @property
     def selectable(self) -> bool:
@@ -115,6 +144,7 @@ class UpstreamServer:
             "max_model_len": info.max_model_len if info else None,
             "kv_cache_tokens": info.kv_cache_tokens if info else None,
             "last_error": self.last_error,
+            "refused": self.refused,
         }
 
 
@@ -165,7 +195,17 @@ class ServerRegistry:
 
     # -- health -----------------------------------------------------------------------------------
     def record_success(self, server: UpstreamServer) -> None:
-        server.strikes, server.healthy, server.last_error = 0, True, None
+        if server.refused is not None:
+            logger.info("%s server %s accepts the router's cluster token again", server.role, server.url)
+        server.strikes, server.healthy, server.last_error, server.refused = 0, True, None, None
+
+    def record_refusal(self, server: UpstreamServer, reason: str) -> None:
+        """The server refused the router's token (`refusal_reason`): unselectable until a probe fetches its
+        info again. Logged once per change of its answer, not per request or probe."""
+        if server.refused != reason:
+            logger.warning("%s %s", server.role, reason)
+        server.refused = server.last_error = reason
+        server.info, server.healthy = None, False
 
     def record_failure(self, server: UpstreamServer, reason: str) -> None:
         server.strikes += 1
@@ -250,16 +290,11 @@ async def fetch_info(
         resp = await http.get(f"{url}/disagg/info", headers=headers, timeout=timeout_s)
     except httpx.HTTPError as e:
         raise InfoError(502, "server_unreachable", f"{url}/disagg/info: {type(e).__name__}: {e}") from e
+    if resp.status_code in (401, 403):
+        raise TokenRefused(url, resp.status_code, resp.content)
     if resp.status_code != 200:
-        hint = (
-            " (do the router and the server share the cluster secret?)"
-            if resp.status_code in (401, 403)
-            else ""
-        )
         raise InfoError(
-            502,
-            "server_info_refused",
-            f"{url}/disagg/info answered {resp.status_code}{hint}: {resp.text[:200]}",
+            502, "server_info_refused", f"{url}/disagg/info answered {resp.status_code}: {resp.text[:200]}"
         )
     try:
         return ServerInfo.parse(resp.json())
@@ -287,6 +322,9 @@ async def probe_once(
             try:
                 info = await fetch_info(http, server.url, headers, timeout_s)
                 info.check(server.role, registry.expected_model(server.url), backend)
+            except TokenRefused as e:
+                registry.record_refusal(server, e.message)
+                return
             except InfoError as e:
                 server.info, server.last_error = None, e.message
                 return

@@ -1,10 +1,10 @@
 """Fan a request's media out to encoder services, with failover, and keep the registry's health current.
 
-`plan` splits a request's items over healthy encoders with the routing policy (routing key: hash of the
-item's bytes, or its URL): one part per encoder, or one per item when the engine overlaps encode and prefill
-(each item then reaches the engine as soon as it is encoded, not with the request's last). The key ignores
-the request's cache salt on purpose: an encoder keys its cache by the salted content hash, so equal bytes of
-two tenants meet on one encoder without sharing a hit.
+`plan` splits a request's items over healthy encoders with the routing policy (routing key: the item's uuid
+if the client gave one, else a hash of its bytes, or its URL): one part per encoder, or one per item when the
+engine overlaps encode and prefill (each item then reaches the engine as soon as it is encoded, not with the
+request's last). The key ignores the request's cache salt on purpose: an encoder keys its cache by the salted
+content hash, so equal bytes of two tenants meet on one encoder without sharing a hit.
 `run` POSTs one `/encode` job per part (with the request's cache salt) and decides each part's fate:
 - 200: delivered to the engine by the encoder; done.
 - 400/413: bad media; the encoder pushed an error part and the engine fails the request (no retry). Other
@@ -150,15 +150,7 @@ class Dispatcher:
         """One POST /encode. An int (cache hits) when the part is settled (delivered, or a client error the
         engine reports), else why it failed (the status is what the client gets if nothing else can encode
         the part)."""
-        items = [
-            {
-                "item_index": i,
-                "modality": media[i].modality,
-                "url": media[i].url,
-                "settings": media[i].settings,
-            }
-            for i in part.item_indices
-        ]
+        items = [_job_item(i, media[i]) for i in part.item_indices]
         job = {"request_id": request_id, "part_index": part.index, "num_parts": num_parts,
                "reply_endpoint": self.routes.endpoint_for(url), "items": items}  # fmt: skip
         if cache_salt is not None:  # omitted when unsalted: an unsalted job is unchanged
@@ -223,7 +215,22 @@ def _error_part_pushed(r: httpx.Response) -> bool:
         return False
 
 
+def _job_item(index: int, item: m.MediaItemMsg) -> dict:
+    job_item = {"item_index": index, "modality": item.modality, "url": item.url, "settings": item.settings}
+    # Omitted when unset: the job of an item without them is unchanged (and an older encoder, which would
+    # refuse them, still takes it).
+    if item.uuid is not None:
+        job_item["uuid"] = item.uuid
+    if item.options:
+        job_item["options"] = item.options
+    return job_item
+
+
 def _routing_key(item: m.MediaItemMsg) -> bytes:
+    # An item with a uuid is keyed by it, with or without its media: a reference then goes to the encoder
+    # that cached the item (cache affinity), as a repeated image does.
+    if item.uuid is not None:
+        return b"uuid\0" + item.uuid.encode()
     if item.data is not None:
         return MediaRef.from_bytes(item.data).routing_key()
     try:

@@ -4,9 +4,11 @@ One class serves every place that encodes: the encoder service, the engine proce
 (monolithic mode and failover; owned by the intake, a peer of the engine) and the offline `LLM`. Flow per
 item: fetch the raw bytes, hash them with every output-relevant setting, and look the hash up in the
 embedding cache, then (with `--embedding-store`) in the global embedding store shared with other instances;
-only on a miss decode, preprocess (the model family's processor) and run the tower (the family's `encode`,
-batched by a TowerBatcher), and write the result to the store in the background. Concurrent requests for
-the same item compute it once (single-flight in the cache, which covers the store lookup too).
+only on a miss decode (with the item's media options: mmserve.multimodal.media_options), preprocess (the
+model family's processor) and run the tower (the family's `encode`, batched by a TowerBatcher), and write the
+result to the store in the background. Concurrent requests for the same item compute it once (single-flight in
+the cache, which covers the store lookup too). An item with a caller's `uuid` hashes the uuid instead of its
+bytes, which are fetched only on a miss; one with a uuid and no media is a cache (or store) hit or a 400.
 """
 
 from __future__ import annotations
@@ -30,10 +32,11 @@ from mmserve.engine.packed_linear import can_pack, pack_linears
 from mmserve.models.family import ModelFamily, check_pixel_limit
 from mmserve.models.loader import parse_dtype
 from mmserve.models.weights import release_freed_memory
+from mmserve.multimodal import media_options
 from mmserve.multimodal.cache import EmbeddingCache
-from mmserve.multimodal.errors import MediaError, UnsupportedMediaError
+from mmserve.multimodal.errors import MediaError, MediaNotCachedError, UnsupportedMediaError
 from mmserve.multimodal.items import MAIN, ItemEmbedding, Modality, content_hash
-from mmserve.multimodal.media import MediaRef, decode_audio, decode_image, decode_video, load_bytes
+from mmserve.multimodal.media import MediaRef, load_bytes
 from mmserve.quant.linear import attach_kernels
 from mmserve.quant.quantize import quantize_linears
 from mmserve.transport.cluster_auth import ClusterSecret
@@ -46,9 +49,11 @@ class MediaInput:
     """One media item of a request, as the encoder takes it."""
 
     modality: Modality
-    ref: MediaRef
+    ref: MediaRef | None  # None: a reference by `uuid` to an item encoded before
     settings: Mapping[str, Any] = field(default_factory=dict)  # the family's per-item settings
     cache_salt: str | None = None  # the request's tenant scope: enters the content hash
+    uuid: str | None = None  # the caller's identity for the item: hashed instead of its bytes
+    options: Mapping[str, Any] = field(default_factory=dict)  # media options (multimodal.media_options)
 
 
 @dataclass
@@ -88,19 +93,34 @@ class MultimodalEncoder:
         self.store = store
 
     def item_hash(
-        self, modality: Modality, data: bytes, settings: Mapping[str, Any], cache_salt: str | None = None
+        self,
+        modality: Modality,
+        data: bytes,
+        settings: Mapping[str, Any],
+        cache_salt: str | None = None,
+        options: Mapping[str, Any] | None = None,
+        uuid: str | None = None,
     ) -> bytes:
-        """Raises MediaError (400) for settings the family does not know.
+        """Raises MediaError (400) for settings or options the family or the server does not know.
 
         A salted item hashes apart from the same item under any other salt or none (so its pad value, its
         cache entry here and in any store keyed by content hash are the tenant's own); unsalted hashes are
-        unchanged."""
+        unchanged. With `uuid`, the uuid stands for the bytes (`data` is not hashed); no hash of bytes has
+        a "uuid" setting, so the two never meet."""
         hashed = {
             **self.family.hash_settings(modality, settings),
-            **self.media_cfg.hash_settings(modality.value),
+            **media_options.hash_settings(self.media_cfg, modality, self._options(modality, options or {})),
         }
         salt = {} if cache_salt is None else {"cache_salt": cache_salt}
-        return content_hash(modality, data, {**hashed, "item": dict(settings), **salt})
+        identity = {} if uuid is None else {"uuid": uuid}
+        data = data if uuid is None else b""
+        return content_hash(modality, data, {**hashed, "item": dict(settings), **salt, **identity})
+
+    def _options(self, modality: Modality, options: Mapping[str, Any]) -> dict[str, Any]:
+        try:
+            return media_options.checked(modality, options, self.media_cfg)
+        except ValueError as e:
+            raise MediaError(str(e)) from e
 
     def encode(self, item: MediaInput, timings: EncodeTimings | None = None) -> ItemEmbedding:
         """Raises MediaError subclasses for bad media (the caller maps them to HTTP 4xx)."""
@@ -108,9 +128,18 @@ class MultimodalEncoder:
         modality = item.modality
         if modality not in self.family.modalities:
             raise UnsupportedMediaError(f"{modality.value} input is not supported by this model")
+        options = self._options(modality, item.options)
+        if item.uuid is not None:
+            try:
+                media_options.check_uuid(item.uuid, "item")
+            except ValueError as e:
+                raise MediaError(str(e)) from e
+        elif item.ref is None:
+            raise MediaError("an item needs its media or a uuid")
         start = time.perf_counter()
-        data = load_bytes(item.ref, self.media_cfg)
-        digest = self.item_hash(modality, data, item.settings, item.cache_salt)
+        # With a uuid the bytes are not hashed: they are fetched only when the item must be computed.
+        data = load_bytes(item.ref, self.media_cfg) if item.uuid is None else b""
+        digest = self.item_hash(modality, data, item.settings, item.cache_salt, options, item.uuid)
         timings.fetch_s += time.perf_counter() - start
         source = []  # "store" or "tower" when this call computed the entry; empty for a cache hit
 
@@ -120,9 +149,15 @@ class MultimodalEncoder:
                 if stored is not None:
                     source.append("store")
                     return stored
+            if item.ref is None:
+                raise MediaNotCachedError(f"uuid {item.uuid!r} is not in the cache; send the media with it")
+            t = time.perf_counter()
+            raw = data if item.uuid is None else load_bytes(item.ref, self.media_cfg)
+            timings.fetch_s += time.perf_counter() - t
             source.append("tower")
             t0 = time.perf_counter()
-            tower_input = self.family.process(modality, self._decode(modality, data, item.settings), item.settings)
+            media = media_options.decode(self.family, modality, raw, item.settings, self.media_cfg, options)
+            tower_input = self.family.process(modality, media, item.settings)
             t1 = time.perf_counter()
             tensors = self.batcher.submit(tower_input).result(timeout=TOWER_TIMEOUT_S)
             timings.preprocess_s += t1 - t0
@@ -168,15 +203,6 @@ class MultimodalEncoder:
         deadline = time.monotonic() + timeout_s
         for job in jobs:
             job.result(timeout=max(0.0, deadline - time.monotonic()))
-
-    def _decode(self, modality: Modality, data: bytes, settings: Mapping[str, Any]):
-        if modality == Modality.IMAGE:
-            return decode_image(data, self.media_cfg)
-        if modality == Modality.VIDEO:
-            return decode_video(data, self.media_cfg, self.family.video_audio_rate_hz(settings))
-        if modality == Modality.AUDIO:
-            return decode_audio(data, self.media_cfg, self.family.audio_sample_rate_hz)
-        raise UnsupportedMediaError(f"unknown modality {modality!r}")
 
     def check_integrity(self) -> None:
         self.cache.check_integrity()

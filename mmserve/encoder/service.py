@@ -34,6 +34,7 @@ from mmserve.models.family import load_family
 from mmserve.multimodal.errors import MediaError
 from mmserve.multimodal.items import Modality
 from mmserve.multimodal.media import MediaRef
+from mmserve.multimodal.media_options import MAX_MEDIA_UUID_CHARS
 from mmserve.omp_pools import released
 from mmserve.transport import cluster_auth
 from mmserve.transport.channel import PartSenders, SendTimeout, TransferConfig
@@ -54,6 +55,9 @@ class JobItem(BaseModel):
     url: str | None = None  # http(s) / data: / file://
     data_b64: str | None = None  # raw bytes, base64
     settings: dict[str, Any] = Field(default_factory=dict)  # the model family's per-item settings
+    # The caller's identity, hashed instead of the bytes; with no url / data, a reference to a cached item.
+    uuid: str | None = Field(default=None, min_length=1, max_length=MAX_MEDIA_UUID_CHARS)
+    options: dict[str, Any] = Field(default_factory=dict)  # media options (mmserve.multimodal.media_options)
 
 
 class EncodeJob(BaseModel):
@@ -110,8 +114,9 @@ class EncoderService:
         for it in job.items:
             ref = MediaRef.from_bytes(base64.b64decode(it.data_b64)) if it.data_b64 is not None else None
             try:
-                ref = ref or MediaRef.parse(it.url or "")
-                enc = self.encoder.encode(MediaInput(it.modality, ref, it.settings, job.cache_salt), timings)
+                ref = ref or (MediaRef.parse(it.url) if it.url is not None else None)  # None: by uuid
+                item = MediaInput(it.modality, ref, it.settings, job.cache_salt, it.uuid, it.options)
+                enc = self.encoder.encode(item, timings)
             except MediaError as e:
                 self.metrics.requests.labels(it.modality.value, str(e.status)).inc()
                 failure = Failure(e.status, e.code, f"{it.modality.value} item {it.item_index}: {e}")

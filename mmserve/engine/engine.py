@@ -28,7 +28,12 @@ from mmserve.engine.overlap import OverlapStages
 from mmserve.engine.request import TEXT_PREFILL_SUFFIX, Request, choice_id, text_prefill_id
 from mmserve.engine.sampler import Sampler, make_generator
 from mmserve.engine.scheduler import Scheduler, SchedulerConfig
-from mmserve.engine.step_output import BatchFailed, EngineStats, StepOutput  # noqa: F401 (re-exported)
+from mmserve.engine.step_output import (  # noqa: F401 (re-exported)
+    BatchFailed,
+    EngineStats,
+    StepOutput,
+    TokenHistogram,
+)
 from mmserve.logprobs import TokenLogprobs
 from mmserve.models.family import ModelFamily, check_pixel_limit, load_family
 from mmserve.models.layer_specs import has_item_blocks, window_of
@@ -93,6 +98,7 @@ class Engine:
             self._apply_grammar_masks, kernels.greedy_argmax if kernels is not None else None
         )
         self.requests: dict[str, Request] = {}  # by request id; n > 1: one entry per choice ("id#i")
+        self.iteration_tokens = TokenHistogram()  # tokens per step (vLLM's iteration_tokens_total)
         self.groups: dict[str, list[Request]] = {}  # n > 1: group id -> its choices
         # n > 1: choices that wait until the first choice's prompt is in the prefix cache (prefilled once)
         self.held: dict[str, list[Request]] = {}
@@ -147,6 +153,7 @@ class Engine:
         """
         if request_id in self.requests:
             raise ValueError(f"duplicate request id {request_id!r}")
+        self._check_prompt_ids(prompt_token_ids)
         own_prefill = self.overlap.claim(request_id)
         check_cache_salt(cache_salt)
         for item in items:
@@ -164,7 +171,7 @@ class Engine:
             )
             params = params.with_max_tokens(max(1, room))
         self.scheduler.check_fits(prompt_len, params.max_tokens)
-        self._check_vocab(params)
+        self.check_token_params(params)
         if params.n > 1 and prompt_len + params.n * params.max_tokens > self.pool.num_slots:
             raise ValueError(
                 f"n={params.n} choices of up to {params.max_tokens} tokens each after a {prompt_len}-token prompt "
@@ -220,9 +227,25 @@ class Engine:
         if params.n > 1:
             self.groups[request_id] = choices
             self.held[request_id] = choices[1:]
+        choices[0].hf_prompt_ids = expanded.hf_token_ids  # what the API reports as the prompt's token ids
         return choices[0]
 
-    def _check_vocab(self, params: SamplingParams) -> None:
+    def _check_prompt_ids(self, prompt_token_ids: list[int]) -> None:
+        """Every prompt id must index the embedding: one outside it (negative, past the vocabulary, or a media
+        pad value, which would also key the prefix cache as another user's image), like an empty prompt, fails
+        the whole batch the request would join. Ids past the tokenizer but inside the embedding are valid."""
+        if not prompt_token_ids:  # nothing to prefill: the step would fail on it
+            raise ValueError("prompt is empty")
+        vocab = self.model_config.vocab_size
+        if min(prompt_token_ids) >= 0 and max(prompt_token_ids) < vocab:
+            return  # the common case, checked in C
+        # A family's placeholder may lie past the embedding: it is replaced by its item's rows (`expand`).
+        bad = next((t for t in prompt_token_ids if not (0 <= t < vocab or t in self.placeholder_ids)), None)
+        if bad is not None:
+            raise ValueError(f"prompt: token id {bad} is outside the vocabulary [0, {vocab})")
+
+    def check_token_params(self, params: SamplingParams) -> None:
+        """ValueError for a token id of `params` outside the vocabulary (the sampler would fail the batch)."""
         vocab = self.model_config.vocab_size
         for name, ids in (("logit_bias", params.logit_bias), ("stop_token_ids", params.stop_token_ids)):
             bad = [t for t in ids if t >= vocab]
@@ -325,6 +348,8 @@ class Engine:
             state_checkpoints=cache.num_states,
             window_rows=self.window_pool.num_slots if self.window_pool is not None else 0,
             window_rows_used=self.window_pool.num_used if self.window_pool is not None else 0,
+            iteration_token_counts=tuple(self.iteration_tokens.counts),
+            iteration_tokens_sum=self.iteration_tokens.sum,
         )
 
     # -- one step -------------------------------------------------------------------------------
@@ -335,6 +360,7 @@ class Engine:
             chunks = self.scheduler.schedule()
         if not chunks:
             return []
+        self.iteration_tokens.observe(sum(c.num_tokens for c in chunks))
         try:
             return self._run(chunks)
         except Exception as e:

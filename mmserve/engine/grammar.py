@@ -31,9 +31,11 @@ from collections.abc import Sequence
 import llguidance
 import llguidance.hf
 import llguidance.torch
+import msgspec
 import numpy as np
 import torch
 
+from mmserve.engine.regex_ascii import ascii_classes, ascii_schema
 from mmserve.sampling_params import StructuredOutputs
 
 # Fixed separators and no flexible whitespace; forced over any "x-guidance" options inside a user's schema.
@@ -45,15 +47,32 @@ _LIMITS = llguidance.LLParserLimits(verbose_errors=False)
 
 
 class GrammarMatcher:
-    """One request's position in its constraint. Mutated by `accept` only; not thread-safe."""
+    """One request's position in its constraint. Mutated by `accept` only; not thread-safe.
 
-    def __init__(self, matcher: llguidance.LLMatcher, compiler: GrammarCompiler) -> None:
+    With `after` (StructuredOutputs.after: a thinking model's end of reasoning) the matcher waits: it masks
+    nothing and accepts every token until the output contains `after`, then the constraint starts."""
+
+    def __init__(
+        self, matcher: llguidance.LLMatcher, compiler: GrammarCompiler, after: tuple[int, ...] = ()
+    ) -> None:
         self._matcher = matcher
         self._compiler = compiler
+        self._after = after  # () once the constraint applies
+        self._recent: tuple[int, ...] = ()  # while waiting: the last len(after) output tokens
+
+    @property
+    def active(self) -> bool:
+        """The constraint applies to the next token (False while waiting for `after`)."""
+        return not self._after
 
     def accept(self, token_id: int) -> None:
         """Advance by one sampled token. Raises ValueError (and the matcher is dead) if the grammar does not
         allow it. An EOS id is accepted when the output is complete, after which `terminated` is True."""
+        if self._after:
+            self._recent = (*self._recent, token_id)[-len(self._after) :]
+            if self._recent == self._after:
+                self._after = ()
+            return
         if not self._matcher.consume_token(token_id):
             reason = self._matcher.get_error().splitlines()[0] if self._matcher.get_error() else "rejected"
             raise ValueError(f"token {token_id} is not allowed by the structured-output grammar: {reason}")
@@ -62,7 +81,7 @@ class GrammarMatcher:
     def terminated(self) -> bool:
         """The constraint is complete and nothing but EOS may follow (JSON, choice and tool calls reach this
         with their last character; a regex such as `a+` only when no longer match is possible)."""
-        return self._matcher.is_stopped()
+        return not self._after and self._matcher.is_stopped()
 
 
 class GrammarCompiler:
@@ -97,6 +116,8 @@ class GrammarCompiler:
     def matcher(self, spec: StructuredOutputs) -> GrammarMatcher:
         """A fresh matcher at the start of `spec`. Raises ValueError naming the problem if the schema, regex,
         choice list or grammar is malformed."""
+        after = spec.after
+        spec = msgspec.structs.replace(spec, after=()) if after else spec  # one compile, deferred or not
         compiled = self._cache.get(spec)
         if compiled is None:
             compiled = self._compile(spec)
@@ -105,7 +126,7 @@ class GrammarCompiler:
                 self._cache.popitem(last=False)
         else:
             self._cache.move_to_end(spec)
-        return GrammarMatcher(compiled.deep_copy(), self)
+        return GrammarMatcher(compiled.deep_copy(), self, after)
 
     def _compile(self, spec: StructuredOutputs) -> llguidance.LLMatcher:
         kind, grammar = _grammar_text(spec)
@@ -120,13 +141,14 @@ def _grammar_text(spec: StructuredOutputs) -> tuple[str, str]:
     matcher = llguidance.LLMatcher
     try:
         if spec.json is not None:
-            return "JSON schema", matcher.grammar_from_json_schema(spec.json, overrides=_COMPACT_JSON)
+            schema = ascii_schema(json.loads(spec.json))  # \d, \w, \s in `pattern`s: ASCII, as in vLLM
+            return "JSON schema", matcher.grammar_from_json_schema(schema, overrides=_COMPACT_JSON)
         if spec.json_object:
             return "JSON schema", matcher.grammar_from_json_schema(
                 {"type": "object"}, overrides=_COMPACT_JSON
             )
         if spec.regex is not None:
-            return "regex", matcher.grammar_from_regex(spec.regex)
+            return "regex", matcher.grammar_from_regex(ascii_classes(spec.regex))
         if spec.choice is not None:
             # JSON string literals are Lark string literals: quotes, backslashes, newlines escaped.
             return "choice", matcher.grammar_from_lark("start: " + " | ".join(map(_literal, spec.choice)))
@@ -148,10 +170,11 @@ def apply_grammar_masks(logits: torch.Tensor, matchers: list[GrammarMatcher | No
     `logits` is (B, V) float on any device, `matchers` has B entries, all from one `GrammarCompiler`. The masks
     are filled on the CPU in parallel into one (rows, words) int32 bitmask (bit j of word w: token 32 w + j
     allowed), then applied. Tokens past the bitmask (logits wider than the compiler's vocab_size) are forbidden.
+    A matcher still waiting for its `after` leaves its row untouched too.
     """
     if logits.dim() != 2 or len(matchers) != logits.shape[0]:
         raise ValueError(f"need one matcher per logits row, got {len(matchers)} for {tuple(logits.shape)}")
-    rows = [i for i, m in enumerate(matchers) if m is not None]
+    rows = [i for i, m in enumerate(matchers) if m is not None and m.active]
     if not rows:
         return
     compiler = matchers[rows[0]]._compiler

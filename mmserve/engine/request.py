@@ -90,6 +90,7 @@ class Request:
     uncached_estimate: int | None = None  # waiting: tokens left after its prefix cache hit, estimated once
     encode_timings: object | None = None  # EncodeTimings of the in-process encoder, if it encoded
     accepted: object | None = None  # the AcceptedMsg the intake sent (a handoff passes it on)
+    hf_prompt_ids: list[int] | None = None  # the expanded prompt with the model's placeholder ids (no pads)
 
     arrival_time: float = field(default_factory=time.perf_counter)
     first_scheduled_time: float | None = None

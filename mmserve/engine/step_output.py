@@ -16,6 +16,23 @@ class BatchFailed(RuntimeError):
         self.request_ids = request_ids
 
 
+# vLLM's buckets of `iteration_tokens_total` (tokens computed per engine step).
+ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
+class TokenHistogram:
+    """Tokens per engine step, counted in the engine process: per-bucket counts (not cumulative; the last
+    one is +Inf), their sum; the API server exposes them as a Prometheus histogram."""
+
+    def __init__(self) -> None:
+        self.counts = [0] * (len(ITERATION_TOKEN_BUCKETS) + 1)
+        self.sum = 0
+
+    def observe(self, tokens: int) -> None:
+        self.counts[next((i for i, b in enumerate(ITERATION_TOKEN_BUCKETS) if tokens <= b), -1)] += 1
+        self.sum += tokens
+
+
 @dataclass(frozen=True)
 class EngineStats:
     """The engine's counters and pool use, as its owner reports them (the engine process's StatsMsg)."""
@@ -40,6 +57,8 @@ class EngineStats:
     state_checkpoints: int = 0  # held by the prefix cache
     window_rows: int = 0  # models with sliding-window layers: the window pool
     window_rows_used: int = 0
+    iteration_token_counts: tuple[int, ...] = ()  # TokenHistogram.counts
+    iteration_tokens_sum: int = 0
 
 
 @dataclass

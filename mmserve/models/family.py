@@ -81,6 +81,9 @@ class ModelFamily(Protocol):
     # What every decoder layer keeps (mmserve.models.layer_specs): drives the pools, the scheduler, the prefix
     # cache, the kernels and the P/D layout.
     layer_specs: tuple[LayerSpec, ...]
+    # How the model writes tool calls (a name in mmserve.server.tool_parsers.PARSERS): the default of
+    # --tool-call-parser when the checkpoint's chat template renders tools.
+    tool_call_parser: str
 
     # -- processor ------------------------------------------------------------------------------------
     def item_settings(self, modalities: Sequence[Modality]) -> list[dict[str, Any]]:
@@ -198,10 +201,11 @@ class ModelFamily(Protocol):
 class CausalLM:
     """The defaults of the hooks above: a language model that attends causally, takes nothing per token beyond
     its embeddings, positions 0..L-1 and no extra inputs (`lm_inputs`), and caps no logits; and of a family's
-    processor: no per-request item settings, the checkpoint's own tokenizer (at `self.path`)."""
+    processor: no per-request item settings, the checkpoint's own tokenizer (at `self.path`); Hermes tool calls."""
 
     logit_softcap: float | None = None
     remaps_ids = False
+    tool_call_parser = "hermes"
 
     @cached_property
     def tokenizer(self):

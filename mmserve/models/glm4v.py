@@ -82,6 +82,7 @@ def sample_frames(num_frames: int, fps: float, duration_s: float, target_fps: fl
 class Family(qwen3_vl.Family):
     """GLM-4.1V and GLM-4.5V (see module docstring)."""
 
+    tool_call_parser = "glm45"  # <tool_call>NAME <arg_key>/<arg_value> pairs
     default_preprocess = GLM_PREPROCESS
 
     def __init__(self, path: str, hf_config, mm_processor_kwargs: Mapping[str, Any]) -> None:

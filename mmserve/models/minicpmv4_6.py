@@ -94,6 +94,7 @@ class Tower(torch.nn.Module):
 class Family(CausalLM):
     """MiniCPM-V 4.6 (see module docstring)."""
 
+    tool_call_parser = "qwen3_coder"  # Qwen3.5's language model and its XML tool calls
     modalities = frozenset({Modality.IMAGE, Modality.VIDEO})
     position_rows = 1
     extra_dims: dict[str, int] = {}

@@ -106,6 +106,7 @@ def text_layer_config(text_config):
 class Family(CausalLM):
     """Mistral 3 (see module docstring)."""
 
+    tool_call_parser = "mistral"  # [TOOL_CALLS] control-token calls
     modalities = frozenset({Modality.IMAGE})
     position_rows = 1
     extra_dims: dict[str, int] = {}

@@ -17,6 +17,8 @@ LINEAR_ATTENTION = {"qwen3_5": "Qwen3_5GatedDeltaNet", "qwen3_5_moe": "Qwen3_5Mo
 
 
 class Family(qwen3_vl.Family):
+    tool_call_parser = "qwen3_coder"  # the XML calls of Qwen3.5's and Qwen3.6's chat templates
+
     @property
     def linear_attention_class(self) -> str:
         return LINEAR_ATTENTION[self.hf_config.model_type]

@@ -52,6 +52,13 @@ class MediaDecodeError(MediaError):
     code = "media_decode_failed"
 
 
+class MediaNotCachedError(MediaError):
+    """A part refers to an item by its uuid alone and no cache here holds it: the client must send the
+    media."""
+
+    code = "media_not_cached"
+
+
 class UnsupportedMediaError(MediaError):
     """The modality or format is not supported by this model or server."""
 

@@ -3,9 +3,9 @@
 Invariants (see docs/architecture.md):
 - content hash: 128-bit blake2b over (modality, the media's raw bytes, every setting that changes the item's
   output: the family's preprocessing, the media sampling, per-request item settings), and the request's
-  cache salt if it has one (mmserve.engine.cache_salt: tenants never share an entry). Two items share an
-  embedding iff their hashes are equal. It is computed from the raw bytes before decoding, so a cache hit
-  skips decoding entirely.
+  cache salt if it has one (mmserve.engine.cache_salt: tenants never share an entry); a caller's `uuid`, when
+  given, stands for the bytes (mmserve.multimodal.media_options). Two items share an embedding iff their
+  hashes are equal. It is computed from the raw bytes before decoding, so a cache hit skips decoding entirely.
 - pad value: PAD_BASE + the low PAD_BITS bits of the digest. PAD_BASE = 2**62 lies above every vocabulary
   id and the sum stays below 2**63, so pad values are valid int64 token ids that the radix prefix cache can
   key on ("same text + same image" matches, "same text + other image" does not).

@@ -129,13 +129,15 @@ def _check_pixels(width: int, height: int, cfg: MediaConfig, what: str) -> None:
 # --- images -----------------------------------------------------------------------------------------
 
 
-def decode_image(data: bytes, cfg: MediaConfig) -> Image.Image:
+def decode_image(
+    data: bytes, cfg: MediaConfig, background: tuple[int, int, int] = (255, 255, 255)
+) -> Image.Image:
     """Decodes image bytes (any format PIL sniffs) into an RGB image, EXIF orientation applied.
 
     For animated images (GIF, APNG, WebP) the first frame is used. Transparent pixels are composited
-    on white. Raises MediaTooLargeError (declared pixels over `max_image_pixels`, checked before the
-    pixel data is decompressed), MediaDecodeError (not an image, truncated, degenerate or too extreme
-    aspect ratio).
+    on `background` (white unless a request sets vLLM's `rgba_background_color`). Raises MediaTooLargeError
+    (declared pixels over `max_image_pixels`, checked before the pixel data is decompressed), MediaDecodeError
+    (not an image, truncated, degenerate or too extreme aspect ratio).
     """
     with _wrap_errors("image"):
         # Opening only parses the header; PIL's own bomb check may also refuse here.
@@ -151,11 +153,11 @@ def decode_image(data: bytes, cfg: MediaConfig) -> Image.Image:
             )
         img.load()  # truncated data raises here: LOAD_TRUNCATED_IMAGES is deliberately left off
         ImageOps.exif_transpose(img, in_place=True)
-        return _to_rgb(img)
+        return _to_rgb(img, background)
 
 
-def _to_rgb(img: Image.Image) -> Image.Image:
-    """Converts any PIL mode to a new RGB image; alpha / transparency is composited on white."""
+def _to_rgb(img: Image.Image, background: tuple[int, int, int]) -> Image.Image:
+    """Converts any PIL mode to a new RGB image; alpha / transparency is composited on `background`."""
     if img.mode.startswith("I;16"):
         # PIL's I;16 -> RGB conversion clips at 255; scale the 16-bit range down instead.
         scaled = (np.asarray(img, dtype=np.uint32) >> 8).astype(np.uint8)
@@ -163,8 +165,8 @@ def _to_rgb(img: Image.Image) -> Image.Image:
     has_alpha = "A" in img.getbands() or img.mode == "RGBa"
     if has_alpha or "transparency" in img.info:
         rgba = img.convert("RGBA")
-        background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
-        return Image.alpha_composite(background, rgba).convert("RGB")
+        canvas = Image.new("RGBA", rgba.size, (*background, 255))
+        return Image.alpha_composite(canvas, rgba).convert("RGB")
     return img.convert("RGB")
 
 

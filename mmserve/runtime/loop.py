@@ -195,6 +195,8 @@ class EngineLoop:
             overlap_tokens=e.overlap_tokens,
             state_cache_usage=e.state_slots_used / e.state_slots if e.state_slots else 0.0,
             state_checkpoints=e.state_checkpoints,
+            iteration_token_counts=list(e.iteration_token_counts),
+            iteration_tokens_sum=e.iteration_tokens_sum,
             **self.handoffs.stats(),
         )
 

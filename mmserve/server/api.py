@@ -30,11 +30,12 @@ from mmserve.server.protocol import APIError
 
 
 def build_app(
-    cfg: ServerConfig, client: EngineClient, tokenizer, family, metrics: ServerMetrics, dispatcher=None
-) -> FastAPI:
+    cfg: ServerConfig, client: EngineClient, tokenizer, family, metrics: ServerMetrics, dispatcher=None,
+    encoder_workers=None,
+) -> FastAPI:  # fmt: skip
     """The app serving `client`'s engine. `client` must be started (its `ready` message read)."""
     app = FastAPI(title="mmserve", version="0.1.0")
-    state = AppState(cfg, client, tokenizer, family, metrics, dispatcher)
+    state = AppState(cfg, client, tokenizer, family, metrics, dispatcher, encoder_workers)
     app.state.mmserve = state
     app.add_middleware(BodyLimitMiddleware, max_bytes=cfg.max_request_body_bytes)
     if cfg.api_key:
@@ -56,6 +57,10 @@ def build_app(
         for e in err.errors():
             loc = ".".join(str(x) for x in e.get("loc", ()) if x != "body")
             msg = "not supported by this server" if e.get("type") == "extra_forbidden" else e.get("msg")
+            if e.get("type") == "value_error":  # our own validators' messages name the field themselves
+                msg = str(msg).removeprefix("Value error, ")
+                problems.append(f"{loc}: {msg}" if loc else msg)
+                continue
             problems.append(f"{loc or 'body'}: {msg}")
         return state.error_response(
             APIError(400, "; ".join(problems) or "invalid request", "invalid_request")

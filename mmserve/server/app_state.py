@@ -10,8 +10,9 @@ import asyncio
 import itertools
 import json
 import uuid
-from collections.abc import Awaitable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, TypeVar
 
 from fastapi import Request
@@ -24,6 +25,9 @@ from mmserve.server.engine_client import EngineClient
 from mmserve.server.logprob_format import TokenStrings
 from mmserve.server.metrics import ServerMetrics
 from mmserve.server.protocol import APIError
+from mmserve.server.reasoning import ReasoningParser, reasoning_parser
+from mmserve.server.tool_parsers import ToolParser, get_parser, resolve_tool_call_parser
+from mmserve.server.tools import ToolRequest, template_renders_tools, tool_grammar_tools
 from mmserve.transport import cluster_auth
 from mmserve.transport.cluster_auth import HTTP_HEADER
 
@@ -44,6 +48,7 @@ class AppState:
     family: Any  # mmserve.models.family.ModelFamily
     metrics: ServerMetrics
     dispatcher: Any = None  # mmserve.dispatch.dispatcher.Dispatcher
+    encoder_workers: Any = None  # mmserve.server.encoder_workers.EncoderWorkers (--encoder-workers)
     # NOTE: a request counts in `client.num_in_flight` only once its engine stream starts, a few event-loop
     # steps after `check_capacity`; `admitting` covers that gap, else a burst arriving at once all passes.
     admitting: set[str] = field(default_factory=set)
@@ -51,14 +56,34 @@ class AppState:
     secret: cluster_auth.ClusterSecret | None = field(init=False)
 
     token_strings: TokenStrings = field(init=False)  # logprobs' token texts, cached
+    reasoning: ReasoningParser | None = field(init=False)  # --reasoning-parser, for chat answers
+    tool_call_parser: str = field(init=False)  # --tool-call-parser, or the one this model's prompts call for
 
     def __post_init__(self) -> None:
         self.secret = cluster_auth.from_config(self.cfg.cluster_secret)
         self.token_strings = TokenStrings(self.tokenizer)
+        name = self.cfg.reasoning_parser
+        self.reasoning = reasoning_parser(name, self.tokenizer) if name is not None else None
+        self.tool_call_parser = resolve_tool_call_parser(
+            self.cfg.tool_call_parser, self.family, template_renders_tools(self.tokenizer)
+        )
 
     @property
     def max_model_len(self) -> int:
         return self.client.ready.max_model_len
+
+    def tool_parser_class(self, tools: ToolRequest | None) -> type[ToolParser] | None:
+        """The parser of a request's output (None: no tools, or tool_choice "none"). Output constrained by
+        tool_choice "required" or a named function is Hermes-shaped whatever the model's own format
+        (mmserve.engine.grammar.tool_call_grammar writes that grammar), so it is read as hermes."""
+        if tools is None or not tools.parses_output:
+            return None
+        return get_parser("hermes" if tool_grammar_tools(tools) is not None else self.tool_call_parser)
+
+    def tool_parser_for(self, tools: ToolRequest | None) -> Callable[[], ToolParser] | None:
+        """A fresh parser per choice, typed by the request's tools (see `tool_parser_class`)."""
+        parser = self.tool_parser_class(tools)
+        return None if parser is None else partial(parser, tools.tools)
 
     def error_response(self, err: APIError) -> JSONResponse:
         self.metrics.record_error(err.status)
@@ -146,7 +171,13 @@ class AppState:
 
 
 async def json_object(request: Request) -> dict[str, Any]:
-    """The JSON object in the body: 400 for bad JSON or another JSON value."""
+    """The JSON object in the body: 415 for a body declared as something else (curl's `-d` sends a form
+    type: never parsed as JSON behind the client's back, as in vLLM), 400 for bad JSON or another JSON value.
+    A body without a Content-Type is read as JSON."""
+    declared = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+    if declared and declared != "application/json" and not declared.endswith("+json"):
+        message = f"Content-Type {declared!r} is not supported: send the body as application/json"
+        raise APIError(415, message, "unsupported_media_type")
     try:
         raw = await request.json()
     except (json.JSONDecodeError, UnicodeDecodeError) as e:

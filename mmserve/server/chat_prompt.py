@@ -7,14 +7,14 @@ Shared by /v1/chat/completions and the chat form of /tokenize, so both see the s
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from mmserve.multimodal import precomputed
 from mmserve.multimodal.errors import MediaError
 from mmserve.multimodal.items import Modality
-from mmserve.multimodal.media import MediaRef
-from mmserve.multimodal.messages import parse_messages
+from mmserve.multimodal.media_options import request_options
+from mmserve.multimodal.messages import MediaPart, parse_messages
 from mmserve.multimodal.precomputed import EmbedsRef
 from mmserve.server.app_state import AppState
 from mmserve.server.protocol import APIError
@@ -25,7 +25,7 @@ from mmserve.transport.messages import MediaItemMsg
 @dataclass
 class ChatPrompt:
     prompt_ids: list[int]  # each media item still one placeholder token (the engine expands them)
-    media: list[tuple[Modality, MediaRef | EmbedsRef]]  # in prompt order
+    media: list[tuple[Modality, MediaPart | EmbedsRef]]  # in prompt order, with the request's media options
     settings: list[dict[str, Any]]  # the family's per-item settings, parallel to `media`
 
     @property
@@ -41,13 +41,26 @@ def chat_prompt(
     add_special_tokens: bool = False,
     tools: list[dict[str, Any]] | None = None,
     mm_processor_kwargs: dict[str, Any] | None = None,
+    template_kwargs: dict[str, Any] | None = None,
+    media_io_kwargs: dict[str, Any] | None = None,
 ) -> ChatPrompt:
-    """Raises APIError (400) for messages the server or the model cannot take."""
+    """Raises APIError (400) for messages the server or the model cannot take. `media_io_kwargs` (vLLM's)
+    become options of every item of their modality (mmserve.multimodal.media_options)."""
     cfg, family = state.cfg, state.family
     try:
         template, media = parse_messages(messages)
     except (ValueError, MediaError) as e:
         raise APIError(400, str(e), "invalid_messages") from e
+    try:
+        requested = request_options(media_io_kwargs, state.client.cfg.media)
+    except ValueError as e:
+        raise APIError(400, str(e), "invalid_media_io_kwargs") from e
+    media = [
+        (mod, replace(part, options={**requested.get(mod, {}), **part.options}))
+        if isinstance(part, MediaPart)
+        else (mod, part)
+        for mod, part in media
+    ]
     embeds = [ref.where for _, ref in media if isinstance(ref, EmbedsRef)]
     if embeds and not cfg.enable_mm_embeds:
         disabled = "precomputed embeddings are disabled on this server; start it with --enable-mm-embeds"
@@ -63,7 +76,9 @@ def chat_prompt(
             )
             raise APIError(400, message, "too_many_items")
     try:
-        text = render_chat(state.tokenizer, template, tools, add_generation_prompt, continue_final_message)
+        text = render_chat(
+            state.tokenizer, template, tools, add_generation_prompt, continue_final_message, template_kwargs
+        )
     except Exception as e:  # a template that rejects the conversation (e.g. bad role order)
         raise APIError(400, f"chat template failed: {e}", "invalid_messages") from e
     prompt_ids = state.tokenize(text, add_special_tokens=add_special_tokens)
@@ -89,10 +104,17 @@ async def media_items(state: AppState, prompt: ChatPrompt, cache_salt: str | Non
 
     def build() -> list[MediaItemMsg]:
         return [
-            precomputed.item_msg(state.family, mod, ref, s, state.cfg.max_mm_embeds_bytes, cache_salt)
-            if isinstance(ref, EmbedsRef)
-            else MediaItemMsg(mod.value, url=ref.url, data=ref.data, settings=s)
-            for (mod, ref), s in zip(prompt.media, prompt.settings, strict=True)
+            precomputed.item_msg(state.family, mod, part, s, state.cfg.max_mm_embeds_bytes, cache_salt)
+            if isinstance(part, EmbedsRef)
+            else MediaItemMsg(
+                mod.value,
+                url=part.ref and part.ref.url,
+                data=part.ref and part.ref.data,
+                settings=s,
+                uuid=part.uuid,
+                options=part.options,
+            )
+            for (mod, part), s in zip(prompt.media, prompt.settings, strict=True)
         ]
 
     try:  # decoding and checking embeddings is CPU work: off the event loop

@@ -168,13 +168,29 @@ async def serve_async(server_cfg: ServerConfig, engine_cfg: EngineConfig) -> int
     from mmserve.server.stats_log import start_stats_log
 
     metrics = ServerMetrics(server_cfg.served_model_name, ready.max_model_len)
-    app = api.build_app(server_cfg, client, tokenizer, family, metrics, dispatcher)
+    # One slot per token: the pool pages at token granularity (a block of 1), as the prefix cache shares.
+    metrics.set_cache_config(
+        block_size=1,
+        cache_dtype=engine_cfg.kv_cache_dtype,
+        num_gpu_blocks=ready.kv_cache_tokens,  # vLLM's name for the device's blocks (here the CPU's memory)
+        num_cpu_blocks=0,
+        kv_cache_memory_bytes=ready.kv_cache_bytes,
+        enable_prefix_caching=not engine_cfg.disable_prefix_cache,
+    )
+    metrics.watch_children([w.name for w in workers.states])
+    app = api.build_app(server_cfg, client, tokenizer, family, metrics, dispatcher, workers)
+
+    def worker_back(worker) -> None:  # registered again as at start, healthy now (its cache starts empty)
+        dispatcher.registry.add_static(worker.url)
+        dispatcher.registry.register(worker.url)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
         print(f"mmserve: serving {server_cfg.served_model_name!r} on http://{server_cfg.host}:{server_cfg.port}",
               flush=True)  # fmt: skip
         prober = asyncio.create_task(dispatcher.probe_forever())
+        workers.supervise(lambda w: metrics.record_child_restart(w.name), worker_back,
+                          server_cfg.engine_start_timeout_s)  # fmt: skip
         orphan_watch = asyncio.create_task(exit_with_parent(lambda: setattr(server, "should_exit", True)))
         stats_log = start_stats_log(metrics, server_cfg.log_stats_interval_s, lambda: client.stats)
         yield

@@ -30,6 +30,11 @@ class TokenStrings:
         return self._decode(token_id)
 
 
+def token_id_strings(token_id: int) -> str:
+    """vLLM's `return_tokens_as_token_ids`: a token named by its id, whatever its bytes."""
+    return f"token_id:{token_id}"
+
+
 def chat_logprobs(strings: TokenStrings, entries: list[TokenLogprobs]) -> dict[str, Any]:
     def item(token_id: int, logprob: float) -> dict[str, Any]:
         text = strings(token_id)

@@ -9,10 +9,11 @@ callers run this on a thread).
 
 from __future__ import annotations
 
-from mmserve.multimodal import precomputed
-from mmserve.multimodal.errors import MediaError
+from mmserve.multimodal import media_options, precomputed
+from mmserve.multimodal.errors import MediaError, MediaNotCachedError
 from mmserve.multimodal.items import ExpandedPrompt, Modality, MultimodalItem
-from mmserve.multimodal.media import MediaRef, decode_audio, decode_image, decode_video, load_bytes
+from mmserve.multimodal.media import load_bytes
+from mmserve.multimodal.messages import MediaPart
 from mmserve.multimodal.precomputed import EmbedsRef
 from mmserve.server.app_state import AppState
 from mmserve.server.chat_prompt import ChatPrompt
@@ -34,20 +35,17 @@ def expand_media(state: AppState, prompt: ChatPrompt) -> ExpandedPrompt:
     return state.family.expand(prompt.prompt_ids, items)
 
 
-def _item(state: AppState, modality: Modality, ref: MediaRef | EmbedsRef, settings) -> MultimodalItem:
+def _item(state: AppState, modality: Modality, part: MediaPart | EmbedsRef, settings) -> MultimodalItem:
     family = state.family
-    if isinstance(ref, EmbedsRef):
+    if isinstance(part, EmbedsRef):
         cfg = state.cfg
         return MultimodalItem.of(
-            precomputed.build_item(family, modality, ref, settings, cfg.max_mm_embeds_bytes)
+            precomputed.build_item(family, modality, part, settings, cfg.max_mm_embeds_bytes)
         )
+    if part.ref is None:  # the embedding caches that hold it are the engine's and the encoders', not ours
+        raise MediaNotCachedError(f"uuid {part.uuid!r} alone cannot be counted here; send the media with it")
     media_cfg = state.client.cfg.media
-    data = load_bytes(ref, media_cfg)
-    if modality == Modality.IMAGE:
-        media = decode_image(data, media_cfg)
-    elif modality == Modality.VIDEO:
-        media = decode_video(data, media_cfg, family.video_audio_rate_hz(settings))
-    else:
-        media = decode_audio(data, media_cfg, family.audio_sample_rate_hz)
+    data = load_bytes(part.ref, media_cfg)
+    media = media_options.decode(family, modality, data, settings, media_cfg, part.options)
     tower_input = family.process(modality, media, settings)
     return MultimodalItem(modality, _NO_HASH, tower_input.num_tokens, tower_input.metadata)

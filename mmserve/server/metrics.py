@@ -15,8 +15,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import HistogramMetricFamily
+from prometheus_client.registry import Collector
 
 from mmserve.encoder.embedding_store import METRIC_DOCS as STORE_METRIC_DOCS
+from mmserve.engine.step_output import ITERATION_TOKEN_BUCKETS
 from mmserve.transport.messages import StatsMsg
 
 if TYPE_CHECKING:
@@ -106,11 +109,34 @@ class EngineTotal:
             self.counter.inc(delta)
 
 
+class _IterationTokens(Collector):
+    """vLLM's `iteration_tokens_total`: a histogram of the tokens each engine step computed. The engine
+    process counts it (StatsMsg carries per-bucket counts and the sum), so it is exposed as collected."""
+
+    def __init__(self, values: tuple[str, str]) -> None:
+        self._values = values
+        self.counts: list[int] = [0] * (len(ITERATION_TOKEN_BUCKETS) + 1)
+        self.sum = 0
+
+    def collect(self):
+        family = HistogramMetricFamily(
+            PREFIX + "iteration_tokens_total", "Number of tokens per engine step.", labels=LABELS
+        )
+        cumulative, buckets = 0, []
+        for bound, count in zip((*map(str, ITERATION_TOKEN_BUCKETS), "+Inf"), self.counts, strict=True):
+            cumulative += count
+            buckets.append((bound, cumulative))
+        family.add_metric(list(self._values), buckets, self.sum)
+        yield family
+
+
 class ServerMetrics:
     def __init__(self, model_name: str, max_model_len: int = 32768) -> None:
         self.registry = CollectorRegistry()
         self.model_name = model_name
         self._values = (model_name, ENGINE_INDEX)
+        self.iteration_tokens = _IterationTokens(self._values)
+        self.registry.register(self.iteration_tokens)
         tokens = build_1_2_5_buckets(max_model_len)
         hist, counter, gauge = self._hist, self._counter, self._gauge
         # -- requests (vLLM) ---------------------------------------------------------------------------------
@@ -201,6 +227,21 @@ class ServerMetrics:
             name: gauge(f"embedding_store_{name}", STORE_METRIC_DOCS[name]) for name in STORE_GAUGES
         }
 
+    # -- child processes (mmserve.server.encoder_workers) -----------------------------------------------------
+    def watch_children(self, names: list[str]) -> None:
+        """`child_process_restarts_total{process=NAME}`, each at 0 from the start (a rate needs the 0)."""
+        self._child_restarts = Counter(
+            PREFIX + "child_process_restarts",
+            "Child processes of this server restarted after they died, by process.",
+            [*LABELS, "process"],
+            registry=self.registry,
+        )
+        for name in names:
+            self._child_restarts.labels(*self._values, name)
+
+    def record_child_restart(self, name: str) -> None:
+        self._child_restarts.labels(*self._values, name).inc()
+
     def _hist(self, name: str, doc: str, buckets) -> Histogram:
         return Histogram(PREFIX + name, doc, LABELS, registry=self.registry, buckets=buckets).labels(
             *self._values
@@ -277,6 +318,9 @@ class ServerMetrics:
         self.prefix_cache_tokens.set(stats.prefix_cache_tokens)
         self.state_usage.set(stats.state_cache_usage)
         self.state_checkpoints.set(stats.state_checkpoints)
+        if stats.iteration_token_counts:
+            self.iteration_tokens.counts = list(stats.iteration_token_counts)
+            self.iteration_tokens.sum = stats.iteration_tokens_sum
         self.transfer_held.set(stats.transfer_held_bytes)
         self.kv_pending.set(stats.kv_pending)
         for field, total in self.totals.items():
@@ -286,6 +330,13 @@ class ServerMetrics:
                 self.store_totals[name].advance(value)
             elif name in self.store_gauges:
                 self.store_gauges[name].set(value)
+
+    def set_cache_config(self, **config: str | int | bool) -> None:
+        """vLLM's `cache_config_info`: a gauge of 1 whose labels are the KV cache's configuration."""
+        labels = {k: str(v) for k, v in config.items()} | dict(zip(LABELS, self._values, strict=True))
+        gauge = Gauge(PREFIX + "cache_config_info", "Information of the KV cache configuration.",
+                      list(labels), registry=self.registry)  # fmt: skip
+        gauge.labels(**labels).set(1)
 
     def values(self, *names: str) -> dict[str, float]:
         """Current values of samples of this registry by name without the prefix (e.g. "prompt_tokens_total"),

@@ -10,13 +10,14 @@ import json
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, field_validator, model_validator
 
 from mmserve.engine.cache_salt import MAX_CACHE_SALT_CHARS, check_cache_salt
 from mmserve.sampling_params import (
     MAX_LOGPROBS,
     MAX_N,
     MAX_REPETITION_PENALTY,
+    MIN_REPETITION_PENALTY,
     SamplingParams,
     StructuredOutputs,
 )
@@ -46,7 +47,7 @@ class APIError(Exception):
 
 def _default_type(status: int) -> str:
     return {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-            413: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable"}.get(
+            413: "invalid_request_error", 415: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable"}.get(
         status, "server_error" if status >= 500 else "invalid_request_error")  # fmt: skip
 
 
@@ -54,6 +55,7 @@ class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: with include_usage, every chunk carries the usage so far
 
 
 # Integers travel to the engine in msgpack and int64 tensors: out-of-range values must be a 400 here, not an
@@ -62,7 +64,16 @@ INT64_MAX = 2**63 - 1
 TokenId = Annotated[int, Field(ge=0, le=INT64_MAX)]
 
 
-IGNORED_FIELDS = ("user", "metadata", "store", "service_tier")
+# `prediction` (OpenAI's predicted outputs) only speeds up what the model would write anyway.
+IGNORED_FIELDS = ("user", "metadata", "store", "service_tier", "prediction")
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
+# Keys of chat_template_kwargs that would replace what the server itself passes to the template.
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {"messages", "conversation", "tools", "documents", "chat_template", "tokenize", "add_generation_prompt",
+     "continue_final_message", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"}
+)  # fmt: skip
+# A batched completions request starts one engine request per prompt (vLLM caps it the same way).
+MAX_BATCH_PROMPTS = 256
 
 
 class KvTransferParams(BaseModel):
@@ -128,7 +139,7 @@ class _SamplingFields(BaseModel):
     n: int = Field(default=1, ge=1, le=MAX_N)
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
-    repetition_penalty: float | None = Field(default=None, gt=0.0, le=MAX_REPETITION_PENALTY)
+    repetition_penalty: float | None = Field(default=None, ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY)
     logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
     min_tokens: int = Field(default=0, ge=0)
     prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)  # vLLM's extra
@@ -140,6 +151,12 @@ class _SamplingFields(BaseModel):
     guided_grammar: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
+    # SGLang's top-level constraints (the same grammar engine as structured_outputs.regex / .grammar)
+    regex: str | None = None
+    ebnf: str | None = None
+    # vLLM's fields for RL rollouts: the exact token ids of prompt and completion; logprob tokens as token_id:N
+    return_token_ids: bool | None = None
+    return_tokens_as_token_ids: bool | None = None
     # Tenant scope of the prefix and embedding caches (vLLM's field): equal salts share hits, others never.
     cache_salt: StrictStr | None = Field(default=None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
     kv_transfer_params: KvTransferParams | None = None  # router -> prefill / decode servers only
@@ -148,6 +165,13 @@ class _SamplingFields(BaseModel):
     metadata: dict[str, str] | None = None
     store: bool | None = None
     service_tier: str | None = None
+    prediction: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self):
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options: only allowed when stream is true")
+        return self
 
     @field_validator("cache_salt")
     @classmethod
@@ -190,15 +214,18 @@ class _SamplingFields(BaseModel):
             raise APIError(400, str(e), "invalid_parameter") from e
 
     def _logit_bias(self) -> dict[int, float]:
-        bias = {}
+        bias, bad = {}, []
         for key, value in (self.logit_bias or {}).items():
             try:
                 token = int(key)
             except ValueError:
                 token = -1
             if token < 0 or str(token) != key.strip():
-                raise APIError(400, f"logit_bias: keys must be token ids, got {key!r}", "invalid_parameter")
+                bad.append(key)
             bias[token] = value
+        if bad:  # every bad key at once: a client fixing them one 400 at a time is no fun
+            keys = ", ".join(map(repr, bad))
+            raise APIError(400, f"logit_bias: keys must be token ids, got {keys}", "invalid_parameter")
         return bias
 
     @property
@@ -208,6 +235,10 @@ class _SamplingFields(BaseModel):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.include_usage and self.stream_options.continuous_usage_stats
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -220,6 +251,38 @@ class ChatCompletionRequest(_SamplingFields):
     parallel_tool_calls: bool = True
     # vLLM's extra: the family's per-request processor settings (Qwen-Omni: {"use_audio_in_video": true}).
     mm_processor_kwargs: dict[str, Any] | None = None
+    # vLLM's extra: media loading options per modality ({"video": {"num_frames": 4}}), checked by chat_prompt.
+    media_io_kwargs: dict[str, Any] | None = None
+    # vLLM's chat-template controls (assistant prefill: continue the last message instead of closing it)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    echo: bool = False  # the answer starts with the last message's content when it is the assistant's
+    add_special_tokens: bool = False  # on top of what the template adds
+    chat_template_kwargs: dict[str, Any] | None = None  # template variables, e.g. {"enable_thinking": false}
+    modalities: list[StrictStr] | None = None  # OpenAI's output modalities: only ["text"] here
+    # OpenAI's field, passed to the chat template as the variable `reasoning_effort` (as vLLM does; over a
+    # `reasoning_effort` in chat_template_kwargs). The values are the openai SDK's `ReasoningEffort`.
+    reasoning_effort: ReasoningEffort | None = None
+
+    @model_validator(mode="after")
+    def _chat_fields(self):
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError(
+                "continue_final_message: cannot be combined with add_generation_prompt (set it to false)"
+            )
+        if self.modalities is not None and any(m != "text" for m in self.modalities):
+            raise ValueError("modalities: this server produces text only (['text'])")
+        reserved = sorted(RESERVED_TEMPLATE_KWARGS & set(self.chat_template_kwargs or {}))
+        if reserved:
+            raise ValueError(f"chat_template_kwargs: {', '.join(reserved)} are set by the server")
+        return self
+
+    @property
+    def template_kwargs(self) -> dict[str, Any] | None:
+        """The chat template's extra variables: chat_template_kwargs, and reasoning_effort when set."""
+        if self.reasoning_effort is None:
+            return self.chat_template_kwargs
+        return {**(self.chat_template_kwargs or {}), "reasoning_effort": self.reasoning_effort}
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -233,13 +296,40 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[StrictInt] | list[str] = Field(min_length=1)  # strict: `true` is not token id 1
+    # One prompt (text or token ids) or a batch of them; strict: `true` is not token id 1.
+    prompt: str | list[StrictInt] | list[StrictStr] | list[list[StrictInt]] = Field(min_length=1)
     echo: bool = False  # the prompt is prepended to the text (and its logprobs to the logprobs)
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    # 0 only with echo (vLLM): the prompt and its logprobs come back and nothing is generated.
+    max_tokens: int | None = Field(default=None, ge=0)
+    add_special_tokens: bool = True  # vLLM's: e.g. BOS, for a text prompt
+
+    @model_validator(mode="after")
+    def _completion_fields(self):
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens: must be at least 1 (0 only with echo)")
+        if isinstance(self.prompt, list) and self.prompt and not isinstance(self.prompt[0], int):
+            if len(self.prompt) > MAX_BATCH_PROMPTS:
+                raise ValueError(f"prompt: a batch holds at most {MAX_BATCH_PROMPTS} prompts")
+            if any(len(p) == 0 for p in self.prompt):
+                raise ValueError("prompt: every prompt of a batch must be non-empty")
+        return self
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """The request's prompts: one, or a batch's."""
+        if isinstance(self.prompt, str) or isinstance(self.prompt[0], int):
+            return [self.prompt]
+        return list(self.prompt)
+
+    @property
+    def echo_only(self) -> bool:
+        """echo with max_tokens 0: one token is computed (the engine always samples one) and dropped."""
+        return self.echo and self.max_tokens == 0
 
     @property
     def requested_max_tokens(self) -> int | None:
-        return self.max_tokens
+        return 1 if self.echo_only else self.max_tokens
 
     @property
     def requested_logprobs(self) -> int | None:
@@ -286,6 +376,10 @@ def structured_of(body: _SamplingFields) -> StructuredOutputs | None:
         found.append(("guided_choice", StructuredOutputs(choice=tuple(body.guided_choice))))
     if body.guided_grammar is not None:
         found.append(("guided_grammar", StructuredOutputs(grammar=body.guided_grammar)))
+    if body.regex is not None:
+        found.append(("regex", StructuredOutputs(regex=check_regex("regex", body.regex))))
+    if body.ebnf is not None:
+        found.append(("ebnf", StructuredOutputs(grammar=body.ebnf)))
     so = body.structured_outputs
     if so is not None:
         set_ = {k: v for k, v in so.model_dump(by_alias=True).items() if v not in (None, False)}
@@ -331,10 +425,16 @@ def check_regex(where: str, pattern: str) -> str:
     return pattern
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
-    return {
+def usage(
+    prompt_tokens: int, completion_tokens: int, cached_tokens: int, reasoning_tokens: int | None = None
+) -> dict[str, Any]:
+    """OpenAI's usage; `reasoning_tokens` (with a reasoning parser) as `completion_tokens_details`."""
+    body = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
         "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
+    if reasoning_tokens is not None:
+        body["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
+    return body

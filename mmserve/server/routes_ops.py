@@ -18,15 +18,19 @@ METRICS_PING_TIMEOUT_S = 1.0  # /metrics waits this long for fresh engine stats,
 
 @router.get("/health")
 async def health(state: State, check_integrity: bool = False):
-    """200 while the engine answers. `?check_integrity=true` also checks the engine's KV pool, prefix
-    cache and embedding cache invariants (500 if broken) and reports their occupancy."""
+    """200 while the engine answers: `{"status": "ok"}`, or "degraded" with the reasons while some encoder
+    worker is down or restarting (the others and the engine's tower serve meanwhile). `?check_integrity=true`
+    also checks the engine's KV pool, prefix cache and embedding cache invariants (500 if broken) and reports
+    their occupancy."""
     stats = await state.client.ping(timeout_s=HEALTH_TIMEOUT_S, check_integrity=check_integrity)
     if stats is None:
         return JSONResponse({"status": "unhealthy", "reason": "engine did not answer"}, status_code=503)
+    up = _serving_status(state)
     if not check_integrity:
-        return {"status": "ok"}
+        return up
     body = {
-        "status": "ok" if stats.integrity_error == "" else "corrupt",
+        **up,
+        "status": up["status"] if stats.integrity_error == "" else "corrupt",
         "integrity_error": stats.integrity_error or None,
         "kv_slots_used": stats.kv_slots_used,
         "num_running": stats.num_running,
@@ -43,6 +47,19 @@ async def health(state: State, check_integrity: bool = False):
         "kv_pending": stats.kv_pending,
     }
     return JSONResponse(body, status_code=200 if stats.integrity_error == "" else 500)
+
+
+def _serving_status(state: AppState) -> dict:
+    """{"status": "ok"}, or "degraded" naming the encoder workers that are down or restarting."""
+    workers = state.encoder_workers
+    problems = workers.problems if workers is not None else []
+    if not problems:
+        return {"status": "ok"}
+    return {
+        "status": "degraded",
+        "reasons": problems,
+        "encoder_workers": [w.as_json() for w in workers.states],
+    }
 
 
 @router.api_route("/ping", methods=["GET", "POST"])

@@ -19,7 +19,7 @@ from mmserve.multimodal.errors import MediaError
 from mmserve.server.app_state import AppState, app_state, json_object, parse, validate
 from mmserve.server.chat_prompt import chat_prompt
 from mmserve.server.media_tokens import expand_media
-from mmserve.server.protocol import APIError
+from mmserve.server.protocol import RESERVED_TEMPLATE_KWARGS, APIError
 
 router = APIRouter()
 State = Annotated[AppState, Depends(app_state)]
@@ -43,6 +43,7 @@ class TokenizeChatRequest(BaseModel):
     continue_final_message: bool = False  # leave the last message open (the model continues it)
     add_special_tokens: bool = False  # on top of what the chat template adds
     return_token_strs: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None  # as on /v1/chat/completions, so both see one prompt
 
 
 class DetokenizeRequest(BaseModel):
@@ -80,6 +81,9 @@ async def tokenize(request: Request, state: State):
 
 
 async def _chat_tokens(state: AppState, body: TokenizeChatRequest) -> list[int]:
+    reserved = sorted(RESERVED_TEMPLATE_KWARGS & set(body.chat_template_kwargs or {}))
+    if reserved:
+        raise APIError(400, f"chat_template_kwargs: {', '.join(reserved)} are set by the server", "invalid_parameter")
     if body.add_generation_prompt and body.continue_final_message:
         message = "continue_final_message cannot be used with add_generation_prompt (set it to false)"
         raise APIError(400, message, "invalid_parameter")
@@ -89,6 +93,7 @@ async def _chat_tokens(state: AppState, body: TokenizeChatRequest) -> list[int]:
         add_generation_prompt=body.add_generation_prompt,
         continue_final_message=body.continue_final_message,
         add_special_tokens=body.add_special_tokens,
+        template_kwargs=body.chat_template_kwargs,
     )
     if not prompt.media:
         return prompt.prompt_ids

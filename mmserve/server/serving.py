@@ -47,6 +47,8 @@ class ChoiceDelta:
     finish_reason: str | None = None
     stop_reason: int | str | None = None  # the stop token id or stop string that ended the choice
     index: int = 0
+    # The tokens this message gave the choice, the EOS or stop token id included (return_token_ids, as vLLM)
+    all_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -67,11 +69,13 @@ class _Choice:
             texts.append(self.detok.add(token))
             if self.detok.stopped:
                 self.finish_reason, self.stop_reason = "stop", self.detok.matched_stop
-                return ChoiceDelta("".join(texts), ids, logprobs, "stop", self.stop_reason)
+                return ChoiceDelta("".join(texts), ids, logprobs, "stop", self.stop_reason, all_ids=list(ids))
         if msg.finish_reason is not None:
             self.finish_reason, self.stop_reason = msg.finish_reason, msg.stop_reason
             texts.append(self.detok.finish())
-        return ChoiceDelta("".join(texts), ids, logprobs, self.finish_reason, self.stop_reason)
+        return ChoiceDelta(
+            "".join(texts), ids, logprobs, self.finish_reason, self.stop_reason, all_ids=list(msg.token_ids)
+        )
 
 
 @dataclass
@@ -87,6 +91,7 @@ class Generation:
     cache_salt: str | None = None  # tenant scope of every cache (mmserve.engine.cache_salt)
     handoff: m.KvTarget | None = None  # prefill server: hand the request to this decode engine
     adopt_timeout_s: float | None = None  # decode server: the request comes from a prefill engine
+    return_prompt_ids: bool = False  # ask the engine for the expanded prompt (`prompt_ids` once started)
     start_time: float = field(default_factory=time.perf_counter)
     prompt_tokens: int = 0
     cached_tokens: int = 0
@@ -100,6 +105,7 @@ class Generation:
     choices: dict[int, _Choice] = field(default_factory=dict)
     prompt_logprobs: list[TokenLogprobs | None] | None = None  # when the params ask for them
     prompt_tail: list[int] = field(default_factory=list)  # decode server: the detokenizer's context
+    prompt_ids: list[int] | None = None  # the expanded prompt (HF's ids), when `return_prompt_ids`
 
     async def start(self) -> None:
         """Send the request and wait until the engine accepted it. Raises APIError."""
@@ -115,6 +121,7 @@ class Generation:
                 num_parts=len(parts),
                 cache_salt=self.cache_salt,
                 handoff=self.handoff,
+                return_prompt_ids=self.return_prompt_ids,
             )
         try:
             self._stream = self.client.generate(req)
@@ -134,11 +141,16 @@ class Generation:
         assert isinstance(first, m.AcceptedMsg)
         self.prompt_tokens = first.prompt_tokens
         self.prompt_tail = list(first.prompt_tail)
+        self.prompt_ids = list(first.prompt_ids) if first.prompt_ids is not None else None
         self.mm_items, self.mm_cache_hits = first.mm_items, first.mm_cache_hits
         self.encoded_by = list(first.encoded_by)
         self.item_encoders = list(first.item_encoders)
         self.timings.encode_s, self.timings.transfer_s = first.encode_s, first.transfer_s
         self.metrics.encode_time.observe(first.encode_s)
+
+    async def close(self) -> None:
+        """Abort a started request that will not be iterated (a batch whose other prompt failed to start)."""
+        await self._stream.aclose()
 
     async def handed_off(self) -> m.HandedOffMsg:
         """Prefill server: wait until the decode engine has the request. Raises APIError."""

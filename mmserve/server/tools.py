@@ -1,8 +1,8 @@
 """Tool calling, request side: validating `tools` / `tool_choice` and rendering tools into the prompt.
 
-Like vLLM's `--enable-auto-tool-choice --tool-call-parser hermes`: the model is told about the tools in the
-Hermes format Qwen models are trained on, and its `<tool_call>` blocks are parsed back
-(mmserve.server.tool_parser). `tool_choice` semantics:
+Like vLLM's `--enable-auto-tool-choice --tool-call-parser NAME`: a chat template that renders tools gets them;
+for one that does not, the model is told about the tools in the Hermes format Qwen models are trained on.
+The output's calls are parsed back in the model's format (mmserve.server.tool_parsers). `tool_choice` semantics:
 
 | choice              | tools in prompt | output constrained to           | output parsed for calls |
 |---------------------|-----------------|---------------------------------|-------------------------|
@@ -217,11 +217,17 @@ def render_chat(
     tools: list[dict[str, Any]] | None,
     add_generation_prompt: bool = True,
     continue_final_message: bool = False,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> str:
     """The prompt text for template messages (mmserve.multimodal.messages.parse_messages) and tools.
     A template that renders tools gets them as `tools=`; for one that does not, the tools, the assistant's
-    calls and the tool results are written into the messages in the Hermes format (_hermes_messages)."""
-    flags = {"add_generation_prompt": add_generation_prompt, "continue_final_message": continue_final_message}
+    calls and the tool results are written into the messages in the Hermes format (_hermes_messages).
+    `template_kwargs` (vLLM's `chat_template_kwargs`, e.g. `enable_thinking`) become template variables."""
+    flags = {
+        **(template_kwargs or {}),
+        "add_generation_prompt": add_generation_prompt,
+        "continue_final_message": continue_final_message,
+    }
     if template_renders_tools(tokenizer):
         return tokenizer.apply_chat_template(template_messages, tools=tools or None, tokenize=False, **flags)
     messages = _hermes_messages(template_messages, tools)

@@ -267,7 +267,7 @@ async def snapshot(state: AppState, history: StatsHistory, encoders: EncoderMetr
         q = getattr(stats, queries, 0) if stats else 0
         return round(getattr(stats, hits) / q, 4) if q else None
 
-    dispatcher = state.dispatcher
+    dispatcher, workers = state.dispatcher, state.encoder_workers
     infos = [e.as_json() for e in dispatcher.registry.all()] if dispatcher is not None else []
     fetched = await encoders.get([i["url"] for i in infos])
     totals = state.metrics.values(*COUNTERS)
@@ -302,6 +302,8 @@ async def snapshot(state: AppState, history: StatsHistory, encoders: EncoderMetr
             "local_fallbacks": dispatcher.local_fallbacks,
         },
         "encoders": [encoder_row(i, fetched[i["url"]]) for i in infos],
+        # --encoder-workers: each one's state (running, restarting, failed) and restarts
+        "encoder_workers": [w.as_json() for w in workers.states] if workers is not None else [],
         "latency": history.latency(),
         "series": history.series(),
         "sample_interval_s": history.interval_s,

@@ -2,9 +2,17 @@
 format (`[gMASK]<sop>`, `<|user|>`, items wrapped in `<|begin_of_image|>` / `<|begin_of_video|>`), its tower
 in miniature (14-pixel patches, 2-D rope, the conv downsample and the gated merger) and its language model:
 sandwich norms and half-rotary 3-D RoPE (GLM-4.1V), sigmoid-routed experts with a shared one (GLM-4.5V: 4
-experts, top 2)."""
+experts, top 2).
+
+`glm_tokenizer(tool_template=True)` is the tokenizer with zai-org's published GLM-V chat template with its
+tool and thinking branches (`data/glm_v_chat_template.jinja`, verbatim as published with GLM-OCR, whose
+tool calls, tool results and images render as GLM-4.5V's and GLM-4.6V's do) and GLM's tool tags as plain
+added tokens: the tool-call parser tests read calls in what it renders. The checkpoints keep the cut-down
+template (past assistant turns get no empty `<think></think>`, so prompts stay as the tests pin them)."""
 
 from __future__ import annotations
+
+import os
 
 from mmserve.testing.kit_base import KitModel, tiny_only, token_ids, train_tokenizer
 
@@ -51,10 +59,23 @@ IMAGE_SIZE = {"shortest_edge": 112 * 112, "longest_edge": 28 * 28 * 2 * 64}
 VIDEO_SIZE = {"shortest_edge": 112 * 112, "longest_edge": 28 * 28 * 2 * 64}
 
 
-def glm_tokenizer(vocab_size: int = 384):
+GLM_V_TEMPLATE_PATH = os.path.join(os.path.dirname(__file__), "data", "glm_v_chat_template.jinja")
+GLM_TOOL_TOKENS = ("<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>")
+
+
+def glm_v_chat_template() -> str:
+    with open(GLM_V_TEMPLATE_PATH) as f:
+        return f.read().removesuffix("\n")  # the file's last line break is not the template's
+
+
+def glm_tokenizer(vocab_size: int = 384, tool_template: bool = False):
     """A byte-level BPE with GLM's special tokens and chat template; the chat stops at `<|user|>` as GLM's
-    generation config does."""
-    return train_tokenizer(vocab_size, GLM_TOKENS, GLM_TEMPLATE, eos_token="<|user|>")
+    generation config does. `tool_template`: the published template with tools (see the module docstring)."""
+    template = glm_v_chat_template() if tool_template else GLM_TEMPLATE
+    tokenizer = train_tokenizer(vocab_size, GLM_TOKENS, template, eos_token="<|user|>")
+    if tool_template:
+        tokenizer.add_tokens(list(GLM_TOOL_TOKENS))
+    return tokenizer
 
 
 def _save_processors(out_dir: str) -> None:

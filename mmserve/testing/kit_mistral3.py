@@ -2,7 +2,13 @@
 tower (2-D RoPE) over 8 x 8 patches of images resized to at most 64 pixels a side, merged 2 x 2 by the
 projector; a byte-level BPE tokenizer whose control tokens sit at Tekken's ids (`[IMG]` 10, `[IMG_BREAK]` 12,
 `[IMG_END]` 13, as Mistral3Config's default `image_token_index`), Mistral's `[INST]` chat format with one
-`[IMG]` per image, and the PIL image processor / `PixtralProcessor` configs HF's own classes read."""
+`[IMG]` per image, and the PIL image processor / `PixtralProcessor` configs HF's own classes read.
+
+`mistral_tokenizer(tool_template=True)` is the tokenizer with a real Mistral 3 chat template with tools:
+Ministral-3-14B-Instruct-2512's (`data/ministral3_chat_template.jinja`, verbatim: tokenizer v13 calls
+`[TOOL_CALLS]NAME[ARGS]{...}`, results in `[TOOL_RESULTS]`) and the `[ARGS]` control token: the tool-call
+parser tests read calls in what it renders. The checkpoints keep the cut-down template: the real one writes
+a 2.5 KB default system prompt into every conversation without a system message."""
 
 from __future__ import annotations
 
@@ -59,9 +65,18 @@ PATCH, MERGE, LONGEST_EDGE = 8, 2, 64
 CLIP_MEAN, CLIP_STD = [0.48145466, 0.4578275, 0.40821073], [0.26862954, 0.26130258, 0.27577711]
 
 
-def mistral_tokenizer(vocab_size: int = 384):
+MINISTRAL3_TEMPLATE_PATH = os.path.join(os.path.dirname(__file__), "data", "ministral3_chat_template.jinja")
+
+
+def ministral3_chat_template() -> str:
+    with open(MINISTRAL3_TEMPLATE_PATH) as f:
+        return f.read().removesuffix("\n")  # the file's last line break is not the template's
+
+
+def mistral_tokenizer(vocab_size: int = 384, tool_template: bool = False):
     """A byte-level BPE trained in milliseconds with Mistral's control tokens first (Tekken's ids). It adds no
-    BOS of its own: the chat template writes it, as mmserve and HF's processor both tokenize the rendered text."""
+    BOS of its own: the chat template writes it, as mmserve and HF's processor both tokenize the rendered text.
+    `tool_template`: the real template with tools and the `[ARGS]` control token (see the module docstring)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -83,7 +98,9 @@ def mistral_tokenizer(vocab_size: int = 384):
         unk_token="<unk>",
         additional_special_tokens=[t for t in MISTRAL_TOKENS if t not in ("<unk>", "<s>", "</s>", "<pad>")],
     )
-    fast.chat_template = MISTRAL_TEMPLATE
+    fast.chat_template = ministral3_chat_template() if tool_template else MISTRAL_TEMPLATE
+    if tool_template:
+        fast.add_tokens(["[ARGS]"], special_tokens=True)
     return fast
 
 

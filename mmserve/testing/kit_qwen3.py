@@ -1,10 +1,20 @@
 """Offline kit entries for Qwen3-VL (DeepStack), Qwen3-VL-MoE, Qwen3.5 (Gated DeltaNet hybrid) and Qwen3.5-MoE:
 tiny checkpoints whose DeepStack levels, recurrent state and expert routing each change the greedy tokens, so
-the negative controls can fail; and Qwen3.5-0.8B's proportions as `small`."""
+the negative controls can fail; and Qwen3.5-0.8B's proportions as `small`.
+
+`thinking=True` (`mmserve make-tiny-model --thinking`) gives the Qwen3.5 entries the real thinking chat
+template (`data/qwen3_6_chat_template.jinja`, Qwen3.6's, verbatim: the assistant turn opens with `<think>\n`
+unless `enable_thinking` is false, which writes an empty `<think>\n\n</think>\n\n`) and Qwen's `<think>`,
+`</think>`, `<tool_call>`, `</tool_call>` as added tokens that are not special, as in Qwen's tokenizer: they
+stay in the decoded text for the reasoning and tool parsers."""
 
 from __future__ import annotations
 
+import os
+
 from mmserve.testing.kit_base import (
+    CHAT_TEMPLATE,
+    SPECIAL_TOKENS,
     KitModel,
     finish_config,
     make_tokenizer,
@@ -12,6 +22,14 @@ from mmserve.testing.kit_base import (
     text_config,
     tiny_only,
 )
+
+THINKING_TEMPLATE_PATH = os.path.join(os.path.dirname(__file__), "data", "qwen3_6_chat_template.jinja")
+THINK_TOKENS = ("<think>", "</think>", "<tool_call>", "</tool_call>")
+
+
+def thinking_chat_template() -> str:
+    with open(THINKING_TEMPLATE_PATH) as f:
+        return f.read().removesuffix("\n")  # the file's last line break is not the template's
 
 QWEN3_NORM = dict(patch_size=16, temporal_patch_size=2, merge_size=2, image_mean=[0.5] * 3, image_std=[0.5] * 3)
 
@@ -76,10 +94,12 @@ def qwen3_vl_kit(arch: str, size: str) -> KitModel:
 QWEN3_5_LAYERS = ["linear_attention", "linear_attention", "full_attention", "linear_attention"]
 
 
-def qwen3_5_kit(arch: str, size: str) -> KitModel:
+def qwen3_5_kit(arch: str, size: str, thinking: bool = False) -> KitModel:
     from transformers import Qwen3_5Config, Qwen3_5MoeConfig
 
-    tokenizer = make_tokenizer(size)
+    tokenizer = make_tokenizer(size, SPECIAL_TOKENS, thinking_chat_template() if thinking else CHAT_TEMPLATE)
+    if thinking:
+        tokenizer.add_tokens(list(THINK_TOKENS))  # plain added tokens (special=False), before the vocab size
     if size == "tiny":
         text = text_config(size, tokenizer, [2, 1, 1], head_dim=32, num_hidden_layers=4)
         text.update(

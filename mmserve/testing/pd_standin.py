@@ -97,7 +97,6 @@ class Standin:
 
     def app(self) -> FastAPI:
         app = FastAPI()
-        secret = cluster_auth.from_config(self.secret)
 
         @app.get("/health")
         async def health() -> Response:
@@ -107,10 +106,8 @@ class Standin:
 
         @app.get("/disagg/info")
         async def info(request: Request) -> Response:
-            if secret is not None and not secret.check_token(request.headers.get(HTTP_HEADER)):
-                return error(401, "invalid_cluster_token")
-            if secret is None and not self.anonymous:
-                return error(403, "control_plane_disabled")
+            if (refused := self.refusal(request)) is not None:
+                return refused
             bootstrap = f"tcp://127.0.0.1:{self.port}" if self.mode == "decode" else None
             return JSONResponse(
                 {
@@ -149,6 +146,16 @@ class Standin:
 
         return app
 
+    def refusal(self, request: Request) -> Response | None:
+        """The control-plane gate (`AppState.check_control_plane`) on /disagg/info and on the router's requests.
+        `secret` is read per request: a test changes it to play a server restarted with another one."""
+        secret = cluster_auth.from_config(self.secret)
+        if secret is not None and not secret.check_token(request.headers.get(HTTP_HEADER)):
+            return error(401, "invalid_cluster_token", f"missing or invalid {HTTP_HEADER} (cluster secret)")
+        if secret is None and not self.anonymous:
+            return error(403, "control_plane_disabled", "the control plane is off: no cluster secret")
+        return None
+
     def _room(self, room: str) -> asyncio.Event:
         return self.rooms.setdefault(room, asyncio.Event())
 
@@ -158,6 +165,8 @@ class Standin:
         params = body.get("kv_transfer_params")
         if not isinstance(params, dict):
             return error(400, "disaggregated_server")
+        if (refused := self.refusal(request)) is not None:
+            return refused
         if self.mode == "prefill":
             return await self.prefill(params)
         return await self.decode(request, params["room"], bool(body.get("stream")))

@@ -204,6 +204,11 @@ KIT: dict[str, Callable[[str], KitModel]] = {
     "glm4v": lambda size: glm4v_kit("glm4v", size),
     "glm4v_moe": lambda size: glm4v_kit("glm4v_moe", size),
 }
+# The families the kit also builds as thinking models (`thinking=True`: kit_qwen3.py).
+THINKING_KIT: dict[str, Callable[[str], KitModel]] = {
+    "qwen3_5": lambda size: qwen3_5_kit("qwen3_5", size, thinking=True),
+    "qwen3_5_moe": lambda size: qwen3_5_kit("qwen3_5_moe", size, thinking=True),
+}
 
 
 
@@ -223,9 +228,11 @@ def build_tiny_model(
     size: str = "tiny",
     seed: int = 0,
     edit_config: Callable[[object], None] | None = None,
+    thinking: bool = False,
 ) -> str:
     """Build and save a random-weight checkpoint in `out_dir`; returns `out_dir`. Deterministic in `seed`.
-    `edit_config` may change the HF config first (tests build "another model" of the same family)."""
+    `edit_config` may change the HF config first (tests build "another model" of the same family).
+    `thinking`: the family's thinking form (`THINKING_KIT`: its real thinking chat template and tags)."""
     import torch
     from transformers import AutoModelForMultimodalLM
 
@@ -233,7 +240,9 @@ def build_tiny_model(
 
     if arch not in KIT or arch not in FAMILIES:
         raise ValueError(f"unknown arch {arch!r}; the kit builds {sorted(KIT)}")
-    kit = KIT[arch](size)
+    if thinking and arch not in THINKING_KIT:
+        raise ValueError(f"the kit builds a thinking model of {', '.join(THINKING_KIT)} only, not {arch!r}")
+    kit = (THINKING_KIT if thinking else KIT)[arch](size)
     if edit_config is not None:
         edit_config(kit.config)
     torch.manual_seed(seed)
@@ -248,15 +257,21 @@ def build_tiny_model(
     model.save_pretrained(out_dir)
     kit.tokenizer.save_pretrained(out_dir)
     kit.save_processors(out_dir)
-    _write_json(out_dir, "mmserve_kit.json", {"arch": arch, "size": size, "seed": seed})
+    _write_json(out_dir, "mmserve_kit.json", _spec(arch, size, seed, thinking))
     return out_dir
 
 
-def ensure_tiny_model(out_dir: str, arch: str = "qwen2_vl", size: str = "tiny", seed: int = 0) -> str:
+def _spec(arch: str, size: str, seed: int, thinking: bool) -> dict:
+    return {"arch": arch, "size": size, "seed": seed, **({"thinking": True} if thinking else {})}
+
+
+def ensure_tiny_model(
+    out_dir: str, arch: str = "qwen2_vl", size: str = "tiny", seed: int = 0, thinking: bool = False
+) -> str:
     """Build the checkpoint unless `out_dir` already holds one made with the same spec."""
     marker = os.path.join(out_dir, "mmserve_kit.json")
     if os.path.exists(marker):
         with open(marker) as f:
-            if json.load(f) == {"arch": arch, "size": size, "seed": seed}:
+            if json.load(f) == _spec(arch, size, seed, thinking):
                 return out_dir
-    return build_tiny_model(out_dir, arch=arch, size=size, seed=seed)
+    return build_tiny_model(out_dir, arch=arch, size=size, seed=seed, thinking=thinking)

@@ -49,6 +49,10 @@ class MediaItemMsg(msgspec.Struct, frozen=True):
     # tiles an image only when it is the request's only image); they enter the item's content hash.
     settings: dict[str, Any] = {}
     embedding: PrecomputedEmbedding | None = None  # set: a precomputed item (no url / data)
+    # The caller's identity for the item, hashed instead of its bytes; with no url / data, a reference to the
+    # item encoded earlier with it (mmserve.multimodal.media_options).
+    uuid: str | None = None
+    options: dict[str, Any] = {}  # media options (detail, video sampling): they enter the content hash
 
 
 class KvTarget(msgspec.Struct, frozen=True):
@@ -70,6 +74,7 @@ class GenerateReq(msgspec.Struct, tag="generate"):
     cache_salt: str | None = None
     # Prefill server: prefill, sample the first token, hand the request (KV and state) to this decode engine.
     handoff: KvTarget | None = None
+    return_prompt_ids: bool = False  # the AcceptedMsg carries the expanded prompt (return_token_ids)
 
 
 class AdoptReq(msgspec.Struct, tag="adopt"):
@@ -145,6 +150,7 @@ class AcceptedMsg(msgspec.Struct, tag="accepted"):
     transfer_s: float = 0.0  # EPD: the last part's send to its arrival at the engine (part of encode_s)
     # Decode server: the prompt's last text tokens, the detokenizer's context (its API server renders no prompt)
     prompt_tail: list[int] = []
+    prompt_ids: list[int] | None = None  # the expanded prompt, HF's ids, when the request asked for it
 
 
 class TokensMsg(msgspec.Struct, tag="tokens"):
@@ -210,6 +216,9 @@ class StatsMsg(msgspec.Struct, tag="stats"):
     overlap_tokens: int = 0  # ... and the prompt tokens they computed
     state_cache_usage: float = 0.0  # hybrid models: state pool slots in use (requests' and checkpoints'), 0..1
     state_checkpoints: int = 0  # ... of which prefix-cache checkpoints
+    # Tokens per engine step since start: per-bucket counts (mmserve.engine.step_output.TokenHistogram), sum
+    iteration_token_counts: list[int] = []
+    iteration_tokens_sum: int = 0
 
 
 FromEngine = ReadyMsg | AcceptedMsg | TokensMsg | HandedOffMsg | ErrorMsg | StatsMsg
