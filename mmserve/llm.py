@@ -26,6 +26,7 @@ from mmserve.engine.request import Request
 from mmserve.llm_inputs import Prompt, check_mm_limits, check_prompts, engine_config, generate_prompt
 from mmserve.models.loader import load_tokenizer
 from mmserve.multimodal.items import Modality
+from mmserve.multimodal.media import MediaRef
 from mmserve.multimodal.messages import MediaPart, parse_messages
 from mmserve.multimodal.precomputed import EmbedsRef, build_item
 from mmserve.outputs import ChoiceState, RequestOutput, TokenText, prompt_logprob_dicts
@@ -156,7 +157,7 @@ class LLM:
 
     # -- the loop -------------------------------------------------------------------------------
     def encode(
-        self, media: list[tuple[Modality, MediaPart | EmbedsRef]], cache_salt: str | None = None
+        self, media: list[tuple[Modality, MediaPart | MediaRef | EmbedsRef]], cache_salt: str | None = None
     ) -> tuple[list, EncodeTimings]:
         """Encode one prompt's media (in order) with the local encoder, hashed with `cache_salt`; precomputed
         embeddings (`image_embeds` ... parts) are checked against the family instead. Raises MediaError
@@ -165,6 +166,7 @@ class LLM:
         if not media:
             return [], timings
         family = self.engine.family
+        media = [(mod, MediaPart(p) if isinstance(p, MediaRef) else p) for mod, p in media]  # a bare ref: no uuid
         pairs = list(zip(media, family.item_settings([mod for mod, _ in media]), strict=True))
         inputs = [
             MediaInput(mod, part.ref, s, cache_salt, part.uuid, part.options)
