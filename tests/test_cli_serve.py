@@ -218,10 +218,22 @@ def test_a_prefill_or_decode_server_without_a_cluster_secret_is_refused_before_l
     for mode in ("prefill", "decode"):
         start = time.monotonic()
         proc = subprocess.run(
-            [sys.executable, "-m", "mmserve.cli", "serve", model, "--port", str(free_port()),
-             "--disaggregation-mode", mode],
-            capture_output=True, text=True, timeout=60, env=env,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "mmserve.cli",
+                "serve",
+                model,
+                "--port",
+                str(free_port()),
+                "--disaggregation-mode",
+                mode,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env=env,
+        )
         assert proc.returncode == 1, proc.stderr
         lines = proc.stderr.strip().splitlines()
         assert len(lines) == 1 and f"--disaggregation-mode {mode}" in lines[0], proc.stderr

@@ -66,8 +66,10 @@ def image_url(seed: int) -> str:
 # -- batched completions (lm-eval's loglikelihood requests) ----------------------------------------------------
 def test_a_batch_of_prompts_answers_each_as_alone_under_vllms_indices(client, ref):
     ids = [ref.tokenizer(t, add_special_tokens=False)["input_ids"] for t in TEXTS]
-    alone = [client.completions.create(model="tiny", prompt=t, max_tokens=6, temperature=0).choices[0].text
-             for t in TEXTS]  # fmt: skip
+    alone = [
+        client.completions.create(model="tiny", prompt=t, max_tokens=6, temperature=0).choices[0].text
+        for t in TEXTS
+    ]
     for prompt in (TEXTS, ids):
         out = client.completions.create(model="tiny", prompt=prompt, max_tokens=6, temperature=0, n=2)
         assert [c.index for c in out.choices] == list(range(6))
@@ -106,8 +108,15 @@ def test_echo_with_max_tokens_zero_scores_the_prompt_as_hf_does(server, ref):
 def test_prompt_logprobs_of_an_image_prompt_are_none_on_the_image(server, ref):
     """vLLM returns None for placeholder positions; the text positions equal HF's log-softmax."""
     image = random_image(371)
-    messages = [{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": image_url(371)}}, {"type": "text", "text": "Describe it."}]}]
+    messages = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "image_url", "image_url": {"url": image_url(371)}},
+                {"type": "text", "text": "Describe it."},
+            ],
+        }
+    ]
     body = {"messages": messages, "max_tokens": 1, "prompt_logprobs": 0, "return_token_ids": True}
     out = post(server, "/v1/chat/completions", body).json()
     template = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Describe it."}]}]
@@ -128,9 +137,23 @@ def test_prompt_logprobs_of_an_image_prompt_are_none_on_the_image(server, ref):
 
 # -- token ids for RL rollouts ----------------------------------------------------------------------------------
 def test_return_token_ids_round_trips_through_tokenize_and_detokenize(server, ref):
-    messages = [{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": image_url(372)}}, {"type": "text", "text": "What is it?"}]}]
-    body = {"messages": messages, "max_tokens": 7, "temperature": 0, "n": 2, "seed": 3, "return_token_ids": True}
+    messages = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "image_url", "image_url": {"url": image_url(372)}},
+                {"type": "text", "text": "What is it?"},
+            ],
+        }
+    ]
+    body = {
+        "messages": messages,
+        "max_tokens": 7,
+        "temperature": 0,
+        "n": 2,
+        "seed": 3,
+        "return_token_ids": True,
+    }
     out = post(server, "/v1/chat/completions", {**body, "temperature": 1.0}).json()
     tokens = post(server, "/tokenize", {"messages": messages}).json()["tokens"]
     assert out["prompt_token_ids"] == tokens
@@ -144,7 +167,9 @@ def test_return_token_ids_round_trips_through_tokenize_and_detokenize(server, re
         for c in ev["choices"]:
             streamed.setdefault(c["index"], []).extend(c.get("token_ids") or [])
     assert streamed == {c["index"]: c["token_ids"] for c in out["choices"]}
-    comp = post(server, "/v1/completions", {"prompt": TEXTS[0], "max_tokens": 5, "return_token_ids": True}).json()
+    comp = post(
+        server, "/v1/completions", {"prompt": TEXTS[0], "max_tokens": 5, "return_token_ids": True}
+    ).json()
     choice = comp["choices"][0]
     assert choice["prompt_token_ids"] == ref.tokenizer(TEXTS[0])["input_ids"]
     assert ref.tokenizer.decode(choice["token_ids"], skip_special_tokens=True) == choice["text"]
@@ -152,13 +177,27 @@ def test_return_token_ids_round_trips_through_tokenize_and_detokenize(server, re
 
 def test_return_tokens_as_token_ids_names_logprob_tokens_by_id(client):
     out = client.chat.completions.create(
-        model="tiny", messages=[{"role": "user", "content": TEXTS[1]}], max_tokens=4, temperature=0,
-        logprobs=True, top_logprobs=2, extra_body={"return_tokens_as_token_ids": True, "return_token_ids": True})  # fmt: skip
+        model="tiny",
+        messages=[{"role": "user", "content": TEXTS[1]}],
+        max_tokens=4,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+        extra_body={"return_tokens_as_token_ids": True, "return_token_ids": True},
+    )
     choice = out.choices[0]
-    assert [e.token for e in choice.logprobs.content] == [f"token_id:{t}" for t in choice.model_extra["token_ids"]]
+    assert [e.token for e in choice.logprobs.content] == [
+        f"token_id:{t}" for t in choice.model_extra["token_ids"]
+    ]
     assert all(t.token.startswith("token_id:") for e in choice.logprobs.content for t in e.top_logprobs)
-    comp = client.completions.create(model="tiny", prompt=TEXTS[0], max_tokens=3, logprobs=1, temperature=0,
-                                     extra_body={"return_tokens_as_token_ids": True})  # fmt: skip
+    comp = client.completions.create(
+        model="tiny",
+        prompt=TEXTS[0],
+        max_tokens=3,
+        logprobs=1,
+        temperature=0,
+        extra_body={"return_tokens_as_token_ids": True},
+    )
     assert all(t.startswith("token_id:") for t in comp.choices[0].logprobs.tokens)
 
 
@@ -184,29 +223,49 @@ def test_continue_final_message_continues_the_assistant_turn_and_echo_prepends_i
 
 def test_message_keys_custom_roles_and_template_kwargs_reach_the_template(server, ref):
     """The kit's template renders any role; `name` and unknown template variables are the template's to use."""
-    messages = [{"role": "system", "content": "Be brief.", "name": "ops"},
-                {"role": "ipython", "content": "42"}, {"role": "user", "content": "hi", "name": "bob"}]  # fmt: skip
-    body = {"messages": messages, "max_tokens": 2, "return_token_ids": True,
-            "chat_template_kwargs": {"enable_thinking": False}}  # fmt: skip
+    messages = [
+        {"role": "system", "content": "Be brief.", "name": "ops"},
+        {"role": "ipython", "content": "42"},
+        {"role": "user", "content": "hi", "name": "bob"},
+    ]
+    body = {
+        "messages": messages,
+        "max_tokens": 2,
+        "return_token_ids": True,
+        "chat_template_kwargs": {"enable_thinking": False},
+    }
     out = post(server, "/v1/chat/completions", body)
     assert out.status_code == 200, out.text
     text = ref.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     assert out.json()["prompt_token_ids"] == ref.tokenizer(text, add_special_tokens=False)["input_ids"]
-    tokenized = post(server, "/tokenize", {"messages": messages, "chat_template_kwargs": {"enable_thinking": False}})
+    tokenized = post(
+        server, "/tokenize", {"messages": messages, "chat_template_kwargs": {"enable_thinking": False}}
+    )
     assert tokenized.json()["tokens"] == out.json()["prompt_token_ids"]
     calls = [{"id": "c1", "type": "function", "function": {"name": "now", "arguments": ""}}]
-    history = [{"role": "user", "content": "time?"}, {"role": "assistant", "content": None, "tool_calls": calls},
-               {"role": "tool", "tool_call_id": "c1", "content": "noon"}]  # fmt: skip
+    history = [
+        {"role": "user", "content": "time?"},
+        {"role": "assistant", "content": None, "tool_calls": calls},
+        {"role": "tool", "tool_call_id": "c1", "content": "noon"},
+    ]
     assert post(server, "/v1/chat/completions", {"messages": history, "max_tokens": 2}).status_code == 200
 
 
 def test_modalities_prediction_and_stream_options(client, server):
     ok = client.chat.completions.create(
-        model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=3, modalities=["text"],
-        prediction={"type": "content", "content": "hello there"})  # fmt: skip
+        model="tiny",
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=3,
+        modalities=["text"],
+        prediction={"type": "content", "content": "hello there"},
+    )
     assert ok.choices[0].message.content is not None
-    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "ignore_eos": True,
-            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}  # fmt: skip
+    body = {
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 4,
+        "ignore_eos": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+    }
     events = sse(server, "/v1/chat/completions", body)
     with_choices = [ev for ev in events if ev["choices"]]
     assert with_choices and all("usage" in ev for ev in with_choices)
@@ -220,8 +279,9 @@ def test_invocations_routes_by_the_bodys_shape(server):
     comp = {"prompt": "hi", "max_tokens": 4, "temperature": 0}
     for path_body, obj in ((chat, "chat.completion"), (comp, "text_completion")):
         via = post(server, "/invocations", path_body).json()
-        direct = post(server, "/v1/chat/completions" if "messages" in path_body else "/v1/completions",
-                      path_body).json()  # fmt: skip
+        direct = post(
+            server, "/v1/chat/completions" if "messages" in path_body else "/v1/completions", path_body
+        ).json()
         assert via["object"] == obj and via["choices"][0] == direct["choices"][0]
     bad = post(server, "/invocations", {"input": "hi"})
     assert bad.status_code == 400 and "messages" in bad.json()["error"]["message"]
@@ -234,10 +294,16 @@ def test_model_cards_have_root_and_parent(server, tiny_qwen2_vl):
 
 def test_a_non_json_content_type_is_refused_not_parsed(server):
     raw = json.dumps({"prompt": "hi", "max_tokens": 2})
-    r = httpx.post(server.url + "/v1/completions", content=raw, timeout=10,
-                   headers={"content-type": "application/x-www-form-urlencoded"})  # fmt: skip
+    r = httpx.post(
+        server.url + "/v1/completions",
+        content=raw,
+        timeout=10,
+        headers={"content-type": "application/x-www-form-urlencoded"},
+    )
     assert r.status_code == 415 and "application/json" in r.json()["error"]["message"]
-    assert httpx.post(server.url + "/v1/completions", content=raw, timeout=30).status_code == 200  # no type: JSON
+    assert (
+        httpx.post(server.url + "/v1/completions", content=raw, timeout=30).status_code == 200
+    )  # no type: JSON
 
 
 def test_logit_bias_names_every_bad_key(server):

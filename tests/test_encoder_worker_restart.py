@@ -73,8 +73,10 @@ def test_a_killed_worker_is_restarted_and_a_crash_looping_one_given_up(tiny_qwen
     try:
         assert health(server.url) == {"status": "ok"}
         states = httpx.get(server.url + "/ui/api/stats", timeout=10).json()["encoder_workers"]
-        assert [(w["name"], w["state"]) for w in states] == [("encoder-worker-0", "running"),
-                                                             ("encoder-worker-1", "running")]  # fmt: skip
+        assert [(w["name"], w["state"]) for w in states] == [
+            ("encoder-worker-0", "running"),
+            ("encoder-worker-1", "running"),
+        ]
         first, other = (int(w["url"].rsplit(":", 1)[1]) for w in states)  # the workers' ports
         workers = worker_pids(server.proc.pid)
         assert set(workers) == {first, other}

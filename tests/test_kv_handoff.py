@@ -309,7 +309,7 @@ def test_a_handoff_with_a_first_token_outside_the_vocabulary_is_refused(pair):
         rows = len(prompt)
         reserve = k.Reserve(k.KV_PROTOCOL_VERSION, room, rows, rows + 4, layout, "zmq", time.time())
         state = k.HandoffState(prompt, vocab, None, SamplingParams(max_tokens=4, temperature=0), 0, None,
-                               len(prompt), 0, 0.0, 0.0, 0.0, 0, 0, [])  # fmt: skip
+                               len(prompt), 0, 0.0, 0.0, 0.0, 0, 0, [])
         replies = []
         for msg in (reserve, k.Commit(room, state, time.time())):
             peer.send_multipart([k.encoder.encode(msg), b""])

@@ -30,9 +30,27 @@ def ref(tiny_qwen2_vl):
 def run_lm_eval(model: str, base_url: str, tokenizer: str, tasks: str, out: Path, *extra: str) -> dict:
     """Runs the lm_eval CLI; returns {task: [sample, ...]} from its --log_samples output."""
     args = f"model=tiny,base_url={base_url},tokenizer={tokenizer},tokenizer_backend=huggingface"
-    cmd = [LM_EVAL, "--model", model, "--model_args", args, "--include_path", "examples/lm_eval",
-           "--tasks", tasks, "--output_path", str(out), "--log_samples", *extra]  # fmt: skip
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_DATASETS_CACHE": str(out / "ds")}
+    cmd = [
+        LM_EVAL,
+        "--model",
+        model,
+        "--model_args",
+        args,
+        "--include_path",
+        "examples/lm_eval",
+        "--tasks",
+        tasks,
+        "--output_path",
+        str(out),
+        "--log_samples",
+        *extra,
+    ]
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+        "HF_DATASETS_CACHE": str(out / "ds"),
+    }
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     samples = {}
@@ -70,15 +88,39 @@ def check_scores(ref, samples: list[dict]) -> list[float]:
 def test_lm_eval_loglikelihood_and_generation_equal_hf_plain_and_epd(
     shared_server, shared_secured_epd_process, tiny_qwen2_vl, ref, tmp_path
 ):
-    plain = run_lm_eval("local-completions", shared_server.url + "/v1/completions", tiny_qwen2_vl,
-                        "mmserve_mc,mmserve_gen", tmp_path / "plain", "--batch_size", "4")  # fmt: skip
+    plain = run_lm_eval(
+        "local-completions",
+        shared_server.url + "/v1/completions",
+        tiny_qwen2_vl,
+        "mmserve_mc,mmserve_gen",
+        tmp_path / "plain",
+        "--batch_size",
+        "4",
+    )
     scores = check_scores(ref, plain["mmserve_mc"])
     generated = [s["resps"][0][0] for s in plain["mmserve_gen"]]
     assert len(generated) == 4 and all(isinstance(g, str) for g in generated)
     epd = shared_secured_epd_process.get()
-    on_epd = run_lm_eval("local-completions", epd.url + "/v1/completions", tiny_qwen2_vl, "mmserve_mc",
-                         tmp_path / "epd", "--batch_size", "3")  # fmt: skip
-    assert all(abs(a - b) < 1e-4 for a, b in zip(check_scores(ref, on_epd["mmserve_mc"]), scores, strict=True))
-    chat = run_lm_eval("local-chat-completions", shared_server.url + "/v1/chat/completions", tiny_qwen2_vl,
-                       "mmserve_gen", tmp_path / "chat", "--apply_chat_template")  # fmt: skip
-    assert len(chat["mmserve_gen"]) == 4 and all(isinstance(s["resps"][0][0], str) for s in chat["mmserve_gen"])
+    on_epd = run_lm_eval(
+        "local-completions",
+        epd.url + "/v1/completions",
+        tiny_qwen2_vl,
+        "mmserve_mc",
+        tmp_path / "epd",
+        "--batch_size",
+        "3",
+    )
+    assert all(
+        abs(a - b) < 1e-4 for a, b in zip(check_scores(ref, on_epd["mmserve_mc"]), scores, strict=True)
+    )
+    chat = run_lm_eval(
+        "local-chat-completions",
+        shared_server.url + "/v1/chat/completions",
+        tiny_qwen2_vl,
+        "mmserve_gen",
+        tmp_path / "chat",
+        "--apply_chat_template",
+    )
+    assert len(chat["mmserve_gen"]) == 4 and all(
+        isinstance(s["resps"][0][0], str) for s in chat["mmserve_gen"]
+    )

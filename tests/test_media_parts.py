@@ -207,9 +207,16 @@ def test_hash_identity_of_uuid_options_and_salt(tiny_qwen2_vl):
 
     assert h() == encoder.item_hash(image, b"bytes", {})  # no options, no uuid: as before
     assert h(uuid="u") == h(data=b"other", uuid="u")  # the uuid stands for the bytes
-    distinct = [h(), h(uuid="u"), h(uuid="v"), h(uuid="u", salt="a"), h(uuid="u", salt="b"),
-                h(uuid="u", options={"detail": "low"}), h(options={"detail": "low"}),
-                h(options={"rgba_background_color": [0, 0, 0]})]  # fmt: skip
+    distinct = [
+        h(),
+        h(uuid="u"),
+        h(uuid="v"),
+        h(uuid="u", salt="a"),
+        h(uuid="u", salt="b"),
+        h(uuid="u", options={"detail": "low"}),
+        h(options={"detail": "low"}),
+        h(options={"rgba_background_color": [0, 0, 0]}),
+    ]
     assert len(set(distinct)) == len(distinct)
     assert h(options={"detail": "high"}) == h()
     # Video options hash as the sampling they give: the server's own cap is the same item.

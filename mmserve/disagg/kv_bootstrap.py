@@ -30,6 +30,7 @@ from mmserve.disagg import kv_messages as k
 from mmserve.engine.cache.transfer import HandoffSlots
 from mmserve.engine.engine import Engine
 from mmserve.engine.request import Request
+from mmserve.engine.token_checks import check_token_params
 from mmserve.transport import messages as m
 from mmserve.transport.cluster_auth import ClusterSecret, PartRejected, PartVerifier
 
@@ -231,7 +232,7 @@ class KvBootstrap:
             vocab = self.engine.model_config.vocab_size
             if not 0 <= state.first_token < vocab:
                 raise ValueError(f"first token {state.first_token} is outside the vocabulary [0, {vocab})")
-            self.engine.check_token_params(state.sampling)
+            check_token_params(state.sampling, self.engine.model_config.vocab_size)
             transfer = self.engine.transfer
             if len(payload):  # zmq backend: the rows (and the state) ride on the commit
                 data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)

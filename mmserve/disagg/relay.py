@@ -77,9 +77,11 @@ async def relay(ctx: RouterContext, kind: str, body: dict, note: RouteNote) -> R
             role = "prefill" if prefill is None else "decode"
             refused = [s.refused for s in registry.all() if s.role == role and s.refused]  # say why, if known
             raise APIError(
-                503, "; ".join([f"no healthy {role} server", *refused]), f"no_{role}_server",
+                503,
+                "; ".join([f"no healthy {role} server", *refused]),
+                f"no_{role}_server",
                 headers={"Retry-After": "1"},
-            )  # fmt: skip
+            )
         note.prefill, note.decode, note.attempts = prefill.url, decode.url, attempt
         note.room = uuid.uuid4().hex
         try:

@@ -34,6 +34,7 @@ from mmserve.engine.step_output import (  # noqa: F401 (re-exported)
     StepOutput,
     TokenHistogram,
 )
+from mmserve.engine.token_checks import check_prompt_ids, check_token_params
 from mmserve.logprobs import TokenLogprobs
 from mmserve.models.family import ModelFamily, check_pixel_limit, load_family
 from mmserve.models.layer_specs import has_item_blocks, window_of
@@ -153,7 +154,7 @@ class Engine:
         """
         if request_id in self.requests:
             raise ValueError(f"duplicate request id {request_id!r}")
-        self._check_prompt_ids(prompt_token_ids)
+        check_prompt_ids(prompt_token_ids, self.model_config.vocab_size, self.placeholder_ids)
         own_prefill = self.overlap.claim(request_id)
         check_cache_salt(cache_salt)
         for item in items:
@@ -163,15 +164,15 @@ class Engine:
         prompt_len = len(expanded.token_ids)
         limit = self.cfg.max_prompt_tokens
         if limit is not None and prompt_len > limit:
-            raise ValueError(f"prompt has {prompt_len} tokens (media expanded); this server allows "
-                             f"at most {limit} (--max-prompt-tokens)")  # fmt: skip
+            message = f"prompt has {prompt_len} tokens (media expanded); this server allows at most {limit}"
+            raise ValueError(message + " (--max-prompt-tokens)")
         if params.max_tokens is None:  # the rest of the context, as far as the KV cache holds every choice
             room = min(
                 self.model_config.max_model_len - prompt_len, (self.pool.num_slots - prompt_len) // params.n
             )
             params = params.with_max_tokens(max(1, room))
         self.scheduler.check_fits(prompt_len, params.max_tokens)
-        self.check_token_params(params)
+        check_token_params(params, self.model_config.vocab_size)
         if params.n > 1 and prompt_len + params.n * params.max_tokens > self.pool.num_slots:
             raise ValueError(
                 f"n={params.n} choices of up to {params.max_tokens} tokens each after a {prompt_len}-token prompt "
@@ -229,28 +230,6 @@ class Engine:
             self.held[request_id] = choices[1:]
         choices[0].hf_prompt_ids = expanded.hf_token_ids  # what the API reports as the prompt's token ids
         return choices[0]
-
-    def _check_prompt_ids(self, prompt_token_ids: list[int]) -> None:
-        """Every prompt id must index the embedding: one outside it (negative, past the vocabulary, or a media
-        pad value, which would also key the prefix cache as another user's image), like an empty prompt, fails
-        the whole batch the request would join. Ids past the tokenizer but inside the embedding are valid."""
-        if not prompt_token_ids:  # nothing to prefill: the step would fail on it
-            raise ValueError("prompt is empty")
-        vocab = self.model_config.vocab_size
-        if min(prompt_token_ids) >= 0 and max(prompt_token_ids) < vocab:
-            return  # the common case, checked in C
-        # A family's placeholder may lie past the embedding: it is replaced by its item's rows (`expand`).
-        bad = next((t for t in prompt_token_ids if not (0 <= t < vocab or t in self.placeholder_ids)), None)
-        if bad is not None:
-            raise ValueError(f"prompt: token id {bad} is outside the vocabulary [0, {vocab})")
-
-    def check_token_params(self, params: SamplingParams) -> None:
-        """ValueError for a token id of `params` outside the vocabulary (the sampler would fail the batch)."""
-        vocab = self.model_config.vocab_size
-        for name, ids in (("logit_bias", params.logit_bias), ("stop_token_ids", params.stop_token_ids)):
-            bad = [t for t in ids if t >= vocab]
-            if bad:
-                raise ValueError(f"{name}: token id {bad[0]} is outside the vocabulary [0, {vocab})")
 
     def grammar(self):
         """The structured-output compiler (mmserve.engine.grammar) for this model's tokenizer. Raises

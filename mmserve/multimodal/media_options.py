@@ -47,8 +47,11 @@ MAX_MEDIA_UUID_CHARS = 256
 DETAILS = ("auto", "low", "high")
 WHITE = (255, 255, 255)
 # media_io_kwargs keys this server honours, per modality (vLLM's media connectors take others: 400 here).
-REQUEST_KEYS = {Modality.IMAGE: ("rgba_background_color",), Modality.VIDEO: ("num_frames", "fps"),
-                Modality.AUDIO: ()}  # fmt: skip
+REQUEST_KEYS = {
+    Modality.IMAGE: ("rgba_background_color",),
+    Modality.VIDEO: ("num_frames", "fps"),
+    Modality.AUDIO: (),
+}
 _ITEM_KEYS = {**REQUEST_KEYS, Modality.IMAGE: ("detail", "rgba_background_color")}
 
 

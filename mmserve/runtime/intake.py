@@ -316,9 +316,16 @@ class Intake:
         hits = timings.hits if timings is not None else part_hits
         per_item = item_encoders if item_encoders is not None else encoded_by[:1] * len(result)
         engine_req.accepted = m.AcceptedMsg(
-            rid, engine_req.prompt_len, waited, len(items), hits, encoded_by, per_item, transfer_s,
+            rid,
+            engine_req.prompt_len,
+            waited,
+            len(items),
+            hits,
+            encoded_by,
+            per_item,
+            transfer_s,
             prompt_ids=engine_req.hf_prompt_ids if req.return_prompt_ids else None,
-        )  # fmt: skip
+        )
         return [engine_req.accepted]
 
     def check_integrity(self) -> None:

@@ -30,9 +30,14 @@ from mmserve.server.protocol import APIError
 
 
 def build_app(
-    cfg: ServerConfig, client: EngineClient, tokenizer, family, metrics: ServerMetrics, dispatcher=None,
+    cfg: ServerConfig,
+    client: EngineClient,
+    tokenizer,
+    family,
+    metrics: ServerMetrics,
+    dispatcher=None,
     encoder_workers=None,
-) -> FastAPI:  # fmt: skip
+) -> FastAPI:
     """The app serving `client`'s engine. `client` must be started (its `ready` message read)."""
     app = FastAPI(title="mmserve", version="0.1.0")
     state = AppState(cfg, client, tokenizer, family, metrics, dispatcher, encoder_workers)

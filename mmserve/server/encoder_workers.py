@@ -116,8 +116,13 @@ class WorkerState:
         return f"{self.name} ({self.url}) is {what} (last exit code {self.last_exit_code})"
 
     def as_json(self) -> dict:
-        return {"name": self.name, "url": self.url, "state": self.state, "restarts": self.restarts,
-                "last_exit_code": self.last_exit_code}  # fmt: skip
+        return {
+            "name": self.name,
+            "url": self.url,
+            "state": self.state,
+            "restarts": self.restarts,
+            "last_exit_code": self.last_exit_code,
+        }
 
 
 class EncoderWorkers:
@@ -180,9 +185,11 @@ class EncoderWorkers:
 
     # -- supervision --------------------------------------------------------------------------------
     def supervise(
-        self, on_restart: Callable[[WorkerState], None], on_back: Callable[[WorkerState], None],
+        self,
+        on_restart: Callable[[WorkerState], None],
+        on_back: Callable[[WorkerState], None],
         start_timeout_s: float,
-    ) -> None:  # fmt: skip
+    ) -> None:
         """Watch every worker from now on (tasks on the running event loop, ended by `terminate`): a dead one
         is reaped and restarted per `policy`; `on_restart` is called as each restart is spawned, `on_back` once
         it answers /health (within `start_timeout_s`, else it is killed and counts as one more exit)."""
@@ -203,9 +210,15 @@ class EncoderWorkers:
             if delay is None:
                 state.state = "failed"
                 p = self.policy
-                logger.error("%s (%s) exited with code %s, %d times within %.0f s: giving up, it is not restarted "
-                             "again; the other encoders (and the engine's tower, if it has one) serve without it",
-                             state.name, state.url, code, p.max_exits, p.window_s)  # fmt: skip
+                logger.error(
+                    "%s (%s) exited with code %s, %d times within %.0f s: giving up, it is not restarted "
+                    "again; the other encoders (and the engine's tower, if it has one) serve without it",
+                    state.name,
+                    state.url,
+                    code,
+                    p.max_exits,
+                    p.window_s,
+                )
                 return
             state.state = "restarting"
             logger.warning(
@@ -238,8 +251,12 @@ class EncoderWorkers:
                     pass
                 await asyncio.sleep(0.2)
         if self.procs[i].poll() is None and not self._stopping:
-            logger.warning("%s (%s) not healthy %.0f s after its restart: killing it", self.states[i].name,
-                           self.urls[i], timeout_s)  # fmt: skip
+            logger.warning(
+                "%s (%s) not healthy %.0f s after its restart: killing it",
+                self.states[i].name,
+                self.urls[i],
+                timeout_s,
+            )
             self.procs[i].kill()
         return False
 

@@ -190,7 +190,7 @@ async def serve_async(server_cfg: ServerConfig, engine_cfg: EngineConfig) -> int
               flush=True)  # fmt: skip
         prober = asyncio.create_task(dispatcher.probe_forever())
         workers.supervise(lambda w: metrics.record_child_restart(w.name), worker_back,
-                          server_cfg.engine_start_timeout_s)  # fmt: skip
+                          server_cfg.engine_start_timeout_s)
         orphan_watch = asyncio.create_task(exit_with_parent(lambda: setattr(server, "should_exit", True)))
         stats_log = start_stats_log(metrics, server_cfg.log_stats_interval_s, lambda: client.stats)
         yield

@@ -335,7 +335,7 @@ class ServerMetrics:
         """vLLM's `cache_config_info`: a gauge of 1 whose labels are the KV cache's configuration."""
         labels = {k: str(v) for k, v in config.items()} | dict(zip(LABELS, self._values, strict=True))
         gauge = Gauge(PREFIX + "cache_config_info", "Information of the KV cache configuration.",
-                      list(labels), registry=self.registry)  # fmt: skip
+                      list(labels), registry=self.registry)
         gauge.labels(**labels).set(1)
 
     def values(self, *names: str) -> dict[str, float]:

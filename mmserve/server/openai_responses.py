@@ -352,8 +352,9 @@ def _stream_choices(
     out = _event_choices(answer, ev, parser, reasoner)
     if answer.token_ids:
         if ev.all_ids and not out:
-            out.append({"index": ev.index, "delta": {}} if answer.kind == "chat" else
-                       {"index": ev.index, "text": ""})  # fmt: skip
+            out.append(
+                {"index": ev.index, "delta": {}} if answer.kind == "chat" else {"index": ev.index, "text": ""}
+            )
             out[0].update(logprobs=None, finish_reason=None)
         for j, choice in enumerate(out):
             choice["token_ids"] = ev.all_ids if j == 0 else []

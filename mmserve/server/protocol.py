@@ -69,9 +69,20 @@ IGNORED_FIELDS = ("user", "metadata", "store", "service_tier", "prediction")
 ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
 # Keys of chat_template_kwargs that would replace what the server itself passes to the template.
 RESERVED_TEMPLATE_KWARGS = frozenset(
-    {"messages", "conversation", "tools", "documents", "chat_template", "tokenize", "add_generation_prompt",
-     "continue_final_message", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"}
-)  # fmt: skip
+    {
+        "messages",
+        "conversation",
+        "tools",
+        "documents",
+        "chat_template",
+        "tokenize",
+        "add_generation_prompt",
+        "continue_final_message",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+    }
+)
 # A batched completions request starts one engine request per prompt (vLLM caps it the same way).
 MAX_BATCH_PROMPTS = 256
 
@@ -139,7 +150,9 @@ class _SamplingFields(BaseModel):
     n: int = Field(default=1, ge=1, le=MAX_N)
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
-    repetition_penalty: float | None = Field(default=None, ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY)
+    repetition_penalty: float | None = Field(
+        default=None, ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY
+    )
     logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
     min_tokens: int = Field(default=0, ge=0)
     prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)  # vLLM's extra

@@ -138,7 +138,7 @@ async def _completions(request: Request, state: AppState, body: CompletionReques
             400, "prompt: a disaggregated deployment serves one prompt per request", "invalid_prompt"
         )
     batch = [(_completion_prompt(state, p, body.add_special_tokens, k, len(prompts)), []) for k, p in
-             enumerate(prompts)]  # fmt: skip
+             enumerate(prompts)]
     return await generate(request, state, body, "completion", batch)
 
 
