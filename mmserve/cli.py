@@ -387,7 +387,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--size",
         choices=SIZES,
         default="tiny",
-        help="tiny (tests), small (Qwen2-0.5B-like, bench), 7b (qwen2_5_vl only: Qwen2.5-VL-7B's shapes, 16 GB)",
+        help="tiny (tests), small (Qwen2-0.5B-like, bench), 2b (qwen2_vl only: Qwen2-VL-2B's shapes, 4.4 GB), "
+        "7b (qwen2_5_vl only: Qwen2.5-VL-7B's shapes, 16 GB)",
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(

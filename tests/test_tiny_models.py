@@ -140,6 +140,24 @@ def test_small_has_realistic_proportions(arch, vision_range):
     assert vision_range[0] <= vision <= vision_range[1]
 
 
+def test_2b_has_qwen2_vl_2b_shapes():
+    """The bench-only `2b` size: Qwen2-VL-2B's language model and tower (random weights, never built here)."""
+    config = make_hf_config("qwen2_vl", "2b")
+    with torch.device("meta"):
+        model = AutoModelForImageTextToText.from_config(config)
+    text, vision = config.text_config, config.vision_config
+    assert (text.hidden_size, text.intermediate_size, text.num_hidden_layers) == (1536, 8960, 28)
+    assert (text.num_attention_heads, text.num_key_value_heads, text.vocab_size) == (12, 2, 151_936)
+    assert sum(text.rope_parameters["mrope_section"]) * 2 == text.hidden_size // text.num_attention_heads
+    assert (vision.depth, vision.embed_dim, vision.num_heads, vision.hidden_size) == (32, 1280, 16, 1536)
+    assert config.tie_word_embeddings
+    total = sum(p.numel() for p in model.parameters())  # tied: lm_head is the embedding
+    assert 2.1e9 <= total <= 2.3e9, total
+    for arch in ("qwen2_5_vl", "gemma3"):  # other kits would build their `small` under that name
+        with pytest.raises(ValueError, match="for qwen2_vl only"):
+            make_hf_config(arch, "2b")
+
+
 def test_resolve_model_path(tiny_qwen2_vl):
     assert resolve_model_path(tiny_qwen2_vl) == os.path.abspath(tiny_qwen2_vl)
     with pytest.raises(FileNotFoundError):

@@ -1,4 +1,4 @@
-"""`mmserve bench ...` command line: run (alias serve), compare, engine, epd, transfer, kv, kv-memory."""
+"""`mmserve bench ...` command line: run (alias serve), compare, engine, stages, epd, transfer, kv, kv-memory."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import secrets
 import shlex
 import sys
 
-RUN_ALIASES = {"run", "serve", "compare", "engine", "epd", "transfer", "kv", "kv-memory"}
+RUN_ALIASES = {"run", "serve", "compare", "engine", "stages", "epd", "transfer", "kv", "kv-memory"}
 
 
 def _workload(args: argparse.Namespace):
@@ -171,6 +171,27 @@ def _engine(args: argparse.Namespace) -> int:
     return 0
 
 
+def _stages(args: argparse.Namespace) -> int:
+    from mmserve.bench import stages_bench
+    from mmserve.bench.workload import parse_sizes
+    from mmserve.models.resolve import resolve_dtype, resolve_model_path
+
+    model = resolve_model_path(args.model)
+    dtype = resolve_dtype(model, args.dtype)
+    counts = [int(n) for n in args.images.split(",") if n]
+    tokens = [int(n) for n in args.prefill_tokens.split(",") if n]
+    options = {"fp32_gemm": args.fp32_gemm, "cpu_kernels": not args.eager_ops}
+    if args.max_num_batched_tokens:
+        options["max_num_batched_tokens"] = args.max_num_batched_tokens
+    costs = stages_bench.run(
+        model, dtype, parse_sizes(args.image_size), counts, tokens, args.rounds, **options
+    )
+    print(f"\n{model} ({dtype}), medians of {args.rounds} rounds")
+    print(stages_bench.summary(costs))
+    _write_json(args.json, {"model": model, "dtype": dtype, "stages": [c.to_json() for c in costs]})
+    return 0
+
+
 def _epd(args: argparse.Namespace) -> int:
     from mmserve.bench import epd_bench
     from mmserve.bench.workload import parse_size
@@ -220,8 +241,12 @@ def _kv_memory(args: argparse.Namespace) -> int:
         print("mmserve bench kv-memory: give --model or --shape", file=sys.stderr)
         return 2
     model = resolve_model_path(args.model) if args.model else None
-    dtype = resolve_dtype(model, args.dtype) if model else ("bfloat16" if args.dtype == "auto" else args.dtype)
-    result = kv_memory.run(model, args.shape, dtype, args.prompt_tokens, args.output_tokens, args.max_num_batched_tokens)
+    dtype = (
+        resolve_dtype(model, args.dtype) if model else ("bfloat16" if args.dtype == "auto" else args.dtype)
+    )
+    result = kv_memory.run(
+        model, args.shape, dtype, args.prompt_tokens, args.output_tokens, args.max_num_batched_tokens
+    )
     print(kv_memory.report(result, dtype))
     _write_json(args.json, kv_memory.as_json(result))
     return 0
@@ -378,6 +403,26 @@ def add_bench_parser(sub) -> None:
     p.set_defaults(func=_engine)
 
     p = bench.add_parser(
+        "stages", help="the tower and a prefill chunk part by part against their GEMM/attention floors"
+    )
+    add_model_arg(p)
+    p.add_argument("--dtype", default="auto", help="as `serve --dtype`")
+    p.add_argument("--image-size", default="448x448", help="WxH, or a comma-separated list (one table each)")
+    p.add_argument("--images", default="1", help="comma-separated images per request (one tower batch each)")
+    p.add_argument("--prefill-tokens", default="283,2048", help="comma-separated prefill chunk lengths")
+    p.add_argument("--rounds", type=int, default=5, help="runs of each stage, each beside its floor")
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help="the engine's chunk budget (default: the longest)",
+    )
+    p.add_argument("--eager-ops", action="store_true", help="PyTorch ops instead of mmserve's CPU kernels")
+    add_fp32_gemm_arg(p)
+    p.add_argument("--json", default=None, help="write every part of every stage here")
+    p.set_defaults(func=_stages)
+
+    p = bench.add_parser(
         "epd", help="TTFT of server configurations side by side, one light request at a time"
     )
     add_model_arg(p)
@@ -407,14 +452,21 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--kv-cache-mb", type=float, default=1024)
     p.add_argument(
-        "--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES, help="both engines' KV cache type (as `serve`)"
+        "--kv-cache-dtype",
+        default="auto",
+        choices=KV_CACHE_DTYPES,
+        help="both engines' KV cache type (as `serve`)",
     )
     p.add_argument("--json", default=None, help="write the results as JSON here")
     p.set_defaults(func=_kv)
 
     p = bench.add_parser("kv-memory", help="KV bytes one long request holds, windows freed vs every row kept")
-    p.add_argument("--model", default=None, help="a checkpoint with sliding-window layers (local dir or hub id)")
-    p.add_argument("--shape", default=None, choices=["gemma3-4b"], help="or build this attention geometry offline")
+    p.add_argument(
+        "--model", default=None, help="a checkpoint with sliding-window layers (local dir or hub id)"
+    )
+    p.add_argument(
+        "--shape", default=None, choices=["gemma3-4b"], help="or build this attention geometry offline"
+    )
     p.add_argument("--prompt-tokens", type=int, default=8192)
     p.add_argument("--output-tokens", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)

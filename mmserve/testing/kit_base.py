@@ -120,11 +120,13 @@ def token_ids(tokenizer, tokens: tuple[str, ...]) -> dict[str, int]:
 
 
 # The language model of each size: (hidden, intermediate, layers, heads, KV heads, init range, max positions,
-# RoPE theta). small: Qwen2-0.5B-like (GQA 14/2); 7b: Qwen2.5-VL-7B's (GQA 28/4, head size 128), a memory-sized
-# kit model for bench runs (`--quantization int4` on a 24 GB machine), never built by the tests.
+# RoPE theta). small: Qwen2-0.5B-like (GQA 14/2); 2b: Qwen2-VL-2B's (GQA 12/2, head size 128), a compute-sized kit
+# model for TTFT benchmarks against peers; 7b: Qwen2.5-VL-7B's (GQA 28/4, head size 128), a memory-sized kit model
+# for bench runs (`--quantization int4` on a 24 GB machine). Neither 2b nor 7b is ever built by the tests.
 TEXT_SIZES = {
     "tiny": (64, 96, 2, 4, 2, 0.5, 4096, 10000.0),
     "small": (896, 4864, 24, 14, 2, 0.02, 32768, 1000000.0),
+    "2b": (1536, 8960, 28, 12, 2, 0.02, 32768, 1000000.0),
     "7b": (3584, 18944, 28, 28, 4, 0.02, 128000, 1000000.0),
 }
 SIZES = tuple(TEXT_SIZES)
@@ -147,11 +149,16 @@ def text_config(size: str, tokenizer, mrope_section: list[int] | None, **extra) 
     rope = {"rope_type": "default", "rope_theta": theta}
     if mrope_section is not None:
         # M-RoPE sections must cover half the head dim or the first forward crashes.
-        rope["mrope_section"] = {"tiny": mrope_section, "small": [8, 12, 12], "7b": [16, 24, 24]}[size]
+        rope["mrope_section"] = {
+            "tiny": mrope_section,
+            "small": [8, 12, 12],
+            "2b": [16, 24, 24],
+            "7b": [16, 24, 24],
+        }[size]
     text.update(
         rope_parameters=rope,
-        # `small`: Qwen2-VL's logits width (lm_head rows), past its 151,657-id tokenizer; `7b`: Qwen2.5-VL-7B's.
-        vocab_size={"tiny": len(tokenizer), "small": QWEN2_VL_VOCAB_SIZE, "7b": 152064}[size],
+        # `small`, `2b`: Qwen2-VL's logits width (lm_head rows), past its 151,657-id tokenizer; `7b`: Qwen2.5-VL-7B's.
+        vocab_size={"tiny": len(tokenizer), "7b": 152064}.get(size, QWEN2_VL_VOCAB_SIZE),
         bos_token_id=ids["<|endoftext|>"],
         eos_token_id=ids["<|im_end|>"],
         **extra,

@@ -55,14 +55,13 @@ def _qwen_vl(arch: str, size: str) -> KitModel:
 
     tokenizer = make_tokenizer(size)
     text = text_config(size, tokenizer, [2, 3, 3])
-    width = {"tiny": 16, "small": 768, "7b": 1280}[size]
+    width = {"tiny": 16, "small": 768, "2b": 1280, "7b": 1280}[size]
     vision = {
         "tiny": dict(depth=2, num_heads=2, initializer_range=0.5),
         "small": dict(depth=12, num_heads=12, initializer_range=0.02),  # ~ViT-B
+        "2b": dict(depth=32, num_heads=16, initializer_range=0.02),  # Qwen2-VL-2B's tower (675 M)
         "7b": dict(depth=32, num_heads=16, initializer_range=0.02),  # Qwen2.5-VL-7B's tower
     }[size]
-    if size == "7b" and arch != "qwen2_5_vl":
-        raise ValueError("the kit builds size '7b' for qwen2_5_vl only (Qwen2.5-VL-7B's shapes)")
     if arch == "qwen2_vl":
         vision.update(embed_dim=width, hidden_size=text["hidden_size"], mlp_ratio=4)
         config_cls = Qwen2VLConfig
@@ -76,12 +75,16 @@ def _qwen_vl(arch: str, size: str) -> KitModel:
             tokens_per_second=2,
         )
         config_cls = Qwen2_5_VLConfig
-    config = qwen_vl_config(config_cls, tokenizer, text, vision, tie_word_embeddings=(size == "tiny"))
+    # Qwen2-VL-2B ties its embeddings, as the tiny models do
+    config = qwen_vl_config(config_cls, tokenizer, text, vision, tie_word_embeddings=size in ("tiny", "2b"))
     return KitModel(
         finish_config(config, tokenizer), tokenizer, lambda d: make_image_processor().save_pretrained(d)
     )
 
 
+
+# Sizes with one real checkpoint's shapes: Qwen2-VL-2B's and Qwen2.5-VL-7B's.
+ONE_FAMILY_SIZES = {"2b": "qwen2_vl", "7b": "qwen2_5_vl"}
 
 LLAVA_TOKENS = QWEN_TOKENS + ("<image>", "<video>")
 LLAVA_PINPOINTS = [[32, 32], [32, 64], [64, 32], [64, 64], [32, 96], [96, 32]]
@@ -219,7 +222,13 @@ def _write_json(out_dir: str, name: str, value: dict) -> None:
 
 def make_hf_config(arch: str, size: str):
     """The transformers config of a kit model."""
+    _check_size(arch, size)
     return KIT[arch](size).config
+
+
+def _check_size(arch: str, size: str) -> None:
+    if size in ONE_FAMILY_SIZES and arch != ONE_FAMILY_SIZES[size]:  # other kits would build `small` silently
+        raise ValueError(f"the kit builds size {size!r} for {ONE_FAMILY_SIZES[size]} only (its real shapes)")
 
 
 def build_tiny_model(
@@ -240,6 +249,7 @@ def build_tiny_model(
 
     if arch not in KIT or arch not in FAMILIES:
         raise ValueError(f"unknown arch {arch!r}; the kit builds {sorted(KIT)}")
+    _check_size(arch, size)
     if thinking and arch not in THINKING_KIT:
         raise ValueError(f"the kit builds a thinking model of {', '.join(THINKING_KIT)} only, not {arch!r}")
     kit = (THINKING_KIT if thinking else KIT)[arch](size)
@@ -252,7 +262,7 @@ def build_tiny_model(
     model.generation_config.eos_token_id = kit.config.eos_token_id
     model.generation_config.pad_token_id = kit.config.pad_token_id
     os.makedirs(out_dir, exist_ok=True)
-    if size == "small":  # stored in bf16 like published Qwen checkpoints: `--dtype auto` runs it in bf16 on AMX
+    if size in ("small", "2b"):  # stored in bf16 like published Qwen checkpoints: `--dtype auto` runs it in bf16 on AMX
         model = model.to(torch.bfloat16)
     model.save_pretrained(out_dir)
     kit.tokenizer.save_pretrained(out_dir)

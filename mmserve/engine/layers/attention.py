@@ -92,13 +92,23 @@ def attend(layer: int, query, key, value, meta: AttentionMetadata, scaling: floa
         out[group.rows] = decoded[:, :, 0]
     if not view.seqs:
         return out
-    k_all = from_cache(k_cache.index_select(0, view.kv_slots), query.dtype).transpose(0, 1)  # (Hkv, sum kv, D)
-    v_all = from_cache(v_cache.index_select(0, view.kv_slots), query.dtype).transpose(0, 1)
-    for seq, offset in zip(view.seqs, view.kv_offsets, strict=True):
-        q = query[seq.q_start : seq.q_start + seq.q_len].transpose(0, 1).unsqueeze(0)  # (1, H, q, D)
-        kv_len = seq.kv_slots.shape[0]
-        k = k_all[:, offset : offset + kv_len].unsqueeze(0)  # (1, Hkv, kv, D)
-        v = v_all[:, offset : offset + kv_len].unsqueeze(0)
+    # A chunk whose keys are exactly its own rows (a fresh prompt's first chunk) reads them from `key` / `value`
+    # as they are, when the pool holds them unchanged (its dtype is the model's): the same values as the pool's
+    # rows, without a gather. The others read the pool, in one gather for all of them.
+    own = k_cache.dtype == key.dtype and meta.writes[layer]
+    fresh = [own and seq.kv_slots.shape[0] == seq.q_len for seq in view.seqs]
+    if not all(fresh):
+        k_all = from_cache(k_cache.index_select(0, view.kv_slots), query.dtype).transpose(0, 1)  # (Hkv, kv, D)
+        v_all = from_cache(v_cache.index_select(0, view.kv_slots), query.dtype).transpose(0, 1)
+    for seq, offset, is_fresh in zip(view.seqs, view.kv_offsets, fresh, strict=True):
+        rows = slice(seq.q_start, seq.q_start + seq.q_len)
+        q = query[rows].transpose(0, 1).unsqueeze(0)  # (1, H, q, D)
+        if is_fresh:
+            k, v = key[rows].transpose(0, 1).unsqueeze(0), value[rows].transpose(0, 1).unsqueeze(0)
+        else:
+            kv_len = seq.kv_slots.shape[0]
+            k = k_all[:, offset : offset + kv_len].unsqueeze(0)  # (1, Hkv, kv, D)
+            v = v_all[:, offset : offset + kv_len].unsqueeze(0)
         causal = seq.mask is None  # fresh prefill: q == kv, top-left == bottom-right
         o = F.scaled_dot_product_attention(
             q,
