@@ -54,7 +54,9 @@ def test_bench_stages_breaks_the_tower_and_prefill_down_against_their_floors(tin
     patches = [s["patches"] for s in towers]
     assert patches[1] == 2 * patches[0] and patches[2] > patches[0] and patches[3] == 2 * patches[2]
     assert [s["tokens"] for s in prefills] == [24, 64]
-    assert all(p["floor_ms"] > 0 for s in towers for p in s["parts"] if p["name"] in ("patch embed", "merger"))
+    assert all(
+        p["floor_ms"] > 0 for s in towers for p in s["parts"] if p["name"] in ("patch embed", "merger")
+    )
     assert "| stage | ms | floor ms | stage / floor |" in done.stdout and "prefill, 64 tokens" in done.stdout
 
 

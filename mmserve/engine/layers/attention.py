@@ -98,7 +98,8 @@ def attend(layer: int, query, key, value, meta: AttentionMetadata, scaling: floa
     own = k_cache.dtype == key.dtype and meta.writes[layer]
     fresh = [own and seq.kv_slots.shape[0] == seq.q_len for seq in view.seqs]
     if not all(fresh):
-        k_all = from_cache(k_cache.index_select(0, view.kv_slots), query.dtype).transpose(0, 1)  # (Hkv, kv, D)
+        # (Hkv, sum of kv lengths, D)
+        k_all = from_cache(k_cache.index_select(0, view.kv_slots), query.dtype).transpose(0, 1)
         v_all = from_cache(v_cache.index_select(0, view.kv_slots), query.dtype).transpose(0, 1)
     for seq, offset, is_fresh in zip(view.seqs, view.kv_offsets, fresh, strict=True):
         rows = slice(seq.q_start, seq.q_start + seq.q_len)
