@@ -24,6 +24,7 @@ from mmserve.config import EmbeddingStoreConfig, MediaConfig
 from mmserve.encoder.activation_table import tabulate_activations
 from mmserve.encoder.batcher import TowerBatcher
 from mmserve.encoder.embedding_store import EmbeddingStore
+from mmserve.encoder.inplace_activation import block_activations
 from mmserve.encoder.patch_linear import linearize_patch_convs
 from mmserve.encoder.store_entry import model_fingerprint
 from mmserve.encoder.vision_attention import fuse_vision_attention
@@ -243,6 +244,8 @@ def build_encoder(
     kernels = kernels_for(torch_device, torch_dtype, cpu_kernels)
     fuse_vision_attention(tower, kernels)
     tabulate_activations(tower, torch_dtype, kernels)
+    # the MLP activations without a table: over their input, in cache-sized blocks (with the kernels, as the others)
+    block_activations(tower, kernels is not None)
     if quantization is not None:
         quantize_linears(tower, quantization, torch_dtype)
         release_freed_memory()
