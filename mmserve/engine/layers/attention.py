@@ -63,6 +63,10 @@ def attend(layer: int, query, key, value, meta: AttentionMetadata, scaling: floa
     (any strides); writes the new K/V into the pool (unless the layer reads another's) and returns (T, H, D)."""
     k_cache, v_cache = meta.k_cache[layer], meta.v_cache[layer]
     view = meta.views[meta.view_of[layer]]
+    rows_k, rows_v = (
+        key,
+        value,
+    )  # as computed (the writes below may convert `key` / `value` to the pool's type)
     group, kernels = view.decode, meta.kernels  # the pool holds the model's dtype, which the kernels take
     if not meta.writes[layer]:
         pass  # a layer sharing another's K/V: that layer wrote this step's rows already
@@ -95,7 +99,7 @@ def attend(layer: int, query, key, value, meta: AttentionMetadata, scaling: floa
     # A chunk whose keys are exactly its own rows (a fresh prompt's first chunk) reads them from `key` / `value`
     # as they are, when the pool holds them unchanged (its dtype is the model's): the same values as the pool's
     # rows, without a gather. The others read the pool, in one gather for all of them.
-    own = k_cache.dtype == key.dtype and meta.writes[layer]
+    own = k_cache.dtype == query.dtype and meta.writes[layer]
     fresh = [own and seq.kv_slots.shape[0] == seq.q_len for seq in view.seqs]
     if not all(fresh):
         # (Hkv, sum of kv lengths, D)
@@ -105,7 +109,7 @@ def attend(layer: int, query, key, value, meta: AttentionMetadata, scaling: floa
         rows = slice(seq.q_start, seq.q_start + seq.q_len)
         q = query[rows].transpose(0, 1).unsqueeze(0)  # (1, H, q, D)
         if is_fresh:
-            k, v = key[rows].transpose(0, 1).unsqueeze(0), value[rows].transpose(0, 1).unsqueeze(0)
+            k, v = rows_k[rows].transpose(0, 1).unsqueeze(0), rows_v[rows].transpose(0, 1).unsqueeze(0)
         else:
             kv_len = seq.kv_slots.shape[0]
             k = k_all[:, offset : offset + kv_len].unsqueeze(0)  # (1, Hkv, kv, D)
