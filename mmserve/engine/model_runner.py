@@ -26,9 +26,10 @@ from mmserve.engine.layers.attention_metadata import AttentionPlan
 from mmserve.engine.layers.linear_state import StateMetadata, StateSegment, wrap_linear_layers
 from mmserve.engine.packed_linear import PackedLinear, can_pack, pack_linears
 from mmserve.engine.request import Request
+from mmserve.glibc_heap import release_freed_memory
 from mmserve.models.family import ModelFamily
 from mmserve.models.loader import parse_dtype
-from mmserve.models.weights import own_checkpoint_memory, release_freed_memory
+from mmserve.models.weights import own_checkpoint_memory
 from mmserve.multimodal.embedding import ChunkExtras, splice_chunk
 from mmserve.quant.linear import attach_kernels, has_quantized
 from mmserve.quant.quantize import quantize_head, quantize_linears

@@ -66,23 +66,6 @@ def own_checkpoint_memory(module: torch.nn.Module) -> int:
     return copied
 
 
-def release_freed_memory() -> None:
-    """Return the heap's free pages to the OS (glibc's malloc_trim; a no-op elsewhere). What loading replaces (the
-    model-dtype weights that fusion, quantization and packing swap out) is mostly freed below glibc's mmap
-    threshold (raised up to 32 MB by every large free), so it stays resident until trimmed: ~300 MB of the
-    `small` model's int8 engine."""
-    import ctypes
-    import ctypes.util
-
-    name = ctypes.util.find_library("c")
-    try:
-        trim = getattr(ctypes.CDLL(name), "malloc_trim", None) if name else None
-    except OSError:
-        trim = None
-    if trim is not None:
-        trim(0)
-
-
 def iter_prefixed(
     path: str, prefixes: Sequence[str], exclude: Sequence[str] = ()
 ) -> Iterator[tuple[str, torch.Tensor]]:
