@@ -26,7 +26,7 @@ from mmserve.cli_args import (
     media_config_from_args,
 )
 from mmserve.disagg.cli import add_disagg_serve_args, add_router_args, run_router, serve_pipeline
-from mmserve.glibc_heap import keep_large_blocks
+from mmserve.glibc_heap import share_main_arena
 
 # Re-exported: mmserve.disagg.cli and the tests build configs through this module.
 __all__ = [
@@ -455,7 +455,7 @@ def main(argv: list[str] | None = None) -> int:
     # engine's spawn, and the child processes inherit it. An explicit user setting wins.
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     # Before any thread of torch's allocates: they all share glibc's main arena then (mmserve.glibc_heap).
-    keep_large_blocks()
+    share_main_arena()
     return args.func(args)
 
 

@@ -30,7 +30,7 @@ from mmserve.encoder.store_entry import model_fingerprint
 from mmserve.encoder.vision_attention import fuse_vision_attention
 from mmserve.engine.cpu_kernels import kernels_for
 from mmserve.engine.packed_linear import can_pack, pack_linears
-from mmserve.glibc_heap import keep_large_blocks, release_freed_memory
+from mmserve.glibc_heap import keep_large_blocks, release_freed_memory, share_main_arena
 from mmserve.models.family import ModelFamily, check_pixel_limit
 from mmserve.models.loader import parse_dtype
 from mmserve.multimodal import media_options
@@ -238,7 +238,7 @@ def build_encoder(
     with `cpu_kernels`, a tower on a CPU runs its Qwen-VL vision RoPE (encoder.vision_attention) and, in bf16, its
     activations (encoder.activation_table) in mmserve's kernels. With `quantization` (int8 / int4), the tower's
     linear layers are quantized on load, weight-only (mmserve.quant.quantize)."""
-    keep_large_blocks()  # large temporaries reused from the heap, not mapped afresh per op (mmserve.glibc_heap)
+    share_main_arena()  # before the tower's thread allocates (mmserve.glibc_heap)
     torch_dtype, torch_device = parse_dtype(dtype), torch.device(device)
     tower = family.load_tower(torch_dtype).to(torch_device)
     linearize_patch_convs(tower, torch_dtype)  # before packing: its linear layers are packed too
@@ -253,6 +253,7 @@ def build_encoder(
     if pack_weights and can_pack(torch_dtype, torch_device, fp32_gemm):
         pack_linears(tower)
     release_freed_memory()  # what quantization and packing replaced, freed inside the heap
+    keep_large_blocks()  # the tower's large temporaries reused from the heap, not mapped afresh per op
 
     def encode(batch):
         return family.encode(tower, batch)

@@ -35,7 +35,7 @@ from mmserve.engine.step_output import (  # noqa: F401 (re-exported)
     TokenHistogram,
 )
 from mmserve.engine.token_checks import check_prompt_ids, check_token_params
-from mmserve.glibc_heap import keep_large_blocks
+from mmserve.glibc_heap import keep_large_blocks, share_main_arena
 from mmserve.logprobs import TokenLogprobs
 from mmserve.models.family import ModelFamily, check_pixel_limit, load_family
 from mmserve.models.layer_specs import has_item_blocks, window_of
@@ -58,7 +58,7 @@ def _label(name: str):
 class Engine:
     def __init__(self, cfg: EngineConfig, family: ModelFamily | None = None) -> None:
         self.cfg = cfg
-        keep_large_blocks()  # large temporaries reused from the heap, not mapped afresh per op (mmserve.glibc_heap)
+        share_main_arena()  # before torch's threads allocate (mmserve.glibc_heap)
         hf_config = load_hf_config(cfg.model)
         self.family = family or load_family(cfg.model, hf_config, dict(cfg.mm_processor_kwargs))
         self.model_config = ModelConfig.from_hf(cfg.model, hf_config, cfg.max_model_len)
@@ -131,6 +131,7 @@ class Engine:
                 *(states.num_slots, states.num_slots * states.slot_bytes / 2**20, states.slot_bytes / 2**20),
                 len(states.layers),
             )
+        keep_large_blocks()  # loaded: large temporaries reused from the heap from now on (mmserve.glibc_heap)
 
     # -- requests -------------------------------------------------------------------------------
     def add_request(

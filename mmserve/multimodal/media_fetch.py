@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import base64
 import binascii
+import functools
 import ipaddress
 import os
 import socket
+import ssl
 import stat
 import time
 import urllib.parse
@@ -267,6 +269,13 @@ def _default_port(url: httpx.URL) -> int:
     return 443 if url.scheme == "https" else 80
 
 
+@functools.cache
+def _tls_context() -> ssl.SSLContext:
+    """httpx's default TLS context (certifi's CAs), made once: a client makes its own on every construction, 27 ms
+    of CPU per fetched URL otherwise. An SSLContext is shared safely between threads and connections."""
+    return httpx.create_ssl_context()
+
+
 def _fetch_http(
     url_str: str, cfg: MediaConfig, resolver: Resolver, transport: httpx.BaseTransport | None
 ) -> MediaBytes:
@@ -278,7 +287,8 @@ def _fetch_http(
     try:
         url = httpx.URL(url_str)
         # trust_env=False: a proxy from the environment would bypass the address pinning.
-        with httpx.Client(transport=transport, trust_env=False, follow_redirects=False) as client:
+        tls = _tls_context()
+        with httpx.Client(transport=transport, trust_env=False, follow_redirects=False, verify=tls) as client:
             for _ in range(cfg.max_redirects + 1):
                 ip = _resolve_safe(url, cfg, resolver)
                 result = _fetch_once(client, url, ip, cfg, deadline)

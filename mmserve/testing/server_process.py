@@ -148,15 +148,18 @@ def _start_once(cmd: Callable[[int], list[str]], port: int, log_dir: str, kind: 
         )
     handle = ServerHandle(f"http://127.0.0.1:{port}", proc, log_path)
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            error = _PortTaken if "address already in use" in handle.log().lower() else AssertionError
-            raise error(f"{kind} exited during start-up:\n{handle.log()}")
-        try:
-            if httpx.get(handle.url + "/health", timeout=2).status_code == 200:
-                return handle
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.05)  # a refused connect costs ~nothing: readiness is seen ~25 ms late on average
+    # One client for the whole wait: `httpx.get` builds a client, and its TLS context, on every call (30 ms of
+    # CPU), which polled every 50 ms took 60% of a core from the server starting beside it.
+    with httpx.Client(timeout=2) as client:
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                error = _PortTaken if "address already in use" in handle.log().lower() else AssertionError
+                raise error(f"{kind} exited during start-up:\n{handle.log()}")
+            try:
+                if client.get(handle.url + "/health").status_code == 200:
+                    return handle
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.05)  # a refused connect costs ~nothing: readiness is seen ~25 ms late on average
     handle.stop()
     raise AssertionError(f"{kind} not healthy after {timeout_s}s:\n{handle.log()}")
