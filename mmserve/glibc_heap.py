@@ -9,11 +9,12 @@ images. Measured on the AVX2 machine: a residual add, a LayerNorm and QuickGELU 
 
 `share_main_arena` (at start) puts every thread in the main arena (`M_ARENA_MAX` 1: another thread's arena
 lives in 64 MB heaps and maps anything larger regardless, and the tower runs on a thread of its own);
-`keep_large_blocks` (once loaded) has glibc serve every size from the heap (`M_MMAP_MAX` 0) and keep up to `TRIM_BYTES` free at the heap's top instead of returning it after
-every op. vLLM's and SGLang's CPU backends get the same from a preloaded tcmalloc (`LD_PRELOAD`); `mallopt` does it
-in process, with nothing to install or re-exec. Freed blocks inside the heap stay resident for the next request
-(a caching allocator's trade); `release_freed_memory` (`malloc_trim`) gives the free pages back after loading,
-whose replaced weights would otherwise stay resident.
+`keep_large_blocks` (once loaded) has glibc serve every size from the heap (`M_MMAP_MAX` 0) and keep up to
+`TRIM_BYTES` free at the heap's top instead of returning it after every op. vLLM's and SGLang's CPU backends get the same from a preloaded tcmalloc (`LD_PRELOAD`); `mallopt` does it
+in process, with nothing to install or re-exec. Freed blocks inside the heap stay resident for the next op (a
+caching allocator's trade) until `release_freed_memory` (`malloc_trim`) gives the free pages back: after loading
+(the weights it replaced), and through `IdleTrim` once the engine loop or the tower's thread has been idle for
+`IDLE_TRIM_S` after work (a burst's temporaries go back between bursts, not between ops).
 
 `MMSERVE_MALLOC=system` leaves glibc's defaults. Nothing happens where malloc is not glibc's (musl, macOS) or an
 allocator is preloaded (its `mallopt`, if any, is not glibc's).
@@ -26,15 +27,16 @@ import ctypes.util
 import functools
 import logging
 import os
+from collections.abc import Callable
 
 log = logging.getLogger(__name__)
 
 M_TRIM_THRESHOLD = -1  # glibc's mallopt parameters (malloc.h)
 M_MMAP_MAX = -4
 M_ARENA_MAX = -8
-TRIM_BYTES = (
-    256 << 20
-)  # free bytes kept at the heap's top: a large batch's temporaries, reused by the next one
+# free bytes kept at the heap's top: a large batch's temporaries, reused by the next one
+TRIM_BYTES = 256 << 20
+IDLE_TRIM_S = 2.0  # idle this long after work: the heap's free pages go back to the OS
 
 
 @functools.cache
@@ -87,3 +89,34 @@ def release_freed_memory() -> None:
     libc = _libc()
     if libc is not None:
         libc.malloc_trim(0)
+
+
+class IdleTrim:
+    """Gives the heap's free pages back once its owner has been idle `after_s` since it last worked. The owner calls
+    `worked()` after work and `idle(now)` while it waits; `wait_s()` bounds its wait so the trim is not late."""
+
+    def __init__(
+        self, after_s: float = IDLE_TRIM_S, release: Callable[[], None] = release_freed_memory
+    ) -> None:
+        self.after_s, self._release = after_s, release
+        self._idle_since: float | None = None
+        self.pending = False  # worked since the last trim
+
+    def worked(self) -> None:
+        self.pending, self._idle_since = True, None
+
+    def idle(self, now: float) -> bool:
+        """True if it trimmed now."""
+        if not self.pending:
+            return False
+        if self._idle_since is None:
+            self._idle_since = now
+        if now - self._idle_since < self.after_s:
+            return False
+        self._release()
+        self.pending, self._idle_since = False, None
+        return True
+
+    def wait_s(self) -> float | None:
+        """How long its owner may block waiting for work (None: as long as it likes)."""
+        return self.after_s if self.pending else None

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from mmserve.glibc_heap import IdleTrim
 from mmserve.multimodal.items import TowerInput
 from mmserve.omp_pools import release_thread_pool
 
@@ -82,8 +83,13 @@ class TowerBatcher:
         return batch
 
     def _run(self) -> None:
+        trim = IdleTrim()  # a burst's large temporaries go back to the OS once the tower is idle (glibc_heap)
         while True:
-            first = self._queue.get()
+            try:
+                first = self._queue.get(timeout=trim.wait_s())
+            except queue.Empty:
+                trim.idle(time.monotonic())
+                continue
             if first is None:
                 return
             batch = self._collect(first)
@@ -95,8 +101,10 @@ class TowerBatcher:
             else:
                 for (_, future), out in zip(batch, outputs, strict=True):
                     future.set_result(out)
+            trim.worked()
             if self._queue.empty():  # idle: its OpenMP pool would slow the engine's steps (omp_pools.py)
                 release_thread_pool()
+                trim.idle(time.monotonic())
 
     @torch.no_grad()
     def forward(self, items: list[TowerInput]) -> list[dict[str, torch.Tensor]]:

@@ -26,6 +26,7 @@ from mmserve.config import engine_config_from_json
 from mmserve.disagg.handoffs import Handoffs
 from mmserve.encoder.runner import build_encoder
 from mmserve.engine.engine import BatchFailed, Engine
+from mmserve.glibc_heap import IdleTrim
 from mmserve.runtime.intake import Intake
 from mmserve.transport import messages as m
 from mmserve.transport.channel import TransferConfig, bind_address, open_receiver, scheme_of
@@ -231,6 +232,7 @@ class EngineLoop:
         for pollable in self.handoffs.pollables:
             poller.register(pollable, zmq.POLLIN)
         last_stats = 0.0
+        trim = IdleTrim()  # a burst's large temporaries go back to the OS once the engine is idle (glibc_heap)
         while self.running:
             # Encoder parts and API messages wake the poller; in-process encodes finish on a worker thread, so
             # poll briefly while one is outstanding.
@@ -256,6 +258,9 @@ class EngineLoop:
             self._send_all(self.handoffs.drain())
             if self.engine.has_work:
                 self.step()
+                trim.worked()
+            elif not (self.intake.busy or self.intake.num_waiting):
+                trim.idle(time.monotonic())
             now = time.monotonic()
             if now - last_stats > STATS_INTERVAL_S:
                 last_stats = now
