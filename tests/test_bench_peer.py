@@ -126,3 +126,28 @@ def test_peer_processes_all_end_unhealthy_or_stopped(tmp_path) -> None:
     assert running(marker) and running(str(script))
     stop_peer(handle)
     assert gone(marker) and gone(str(script))
+
+
+@pytest.mark.parametrize("one_at_a_time", [False, True])
+def test_one_at_a_time_starts_each_server_for_its_own_turn(tiny_qwen2_vl, tmp_path, one_at_a_time) -> None:
+    """Two peers; the second notes at its start whether the first one's server is up. By default both are up for
+    the whole run (the note says so: the negative control); with --one-at-a-time the first is gone first."""
+    events = tmp_path / "events"
+    first = f"{SERVE} --served-model-name first-{tmp_path.name}"
+    # The first peer's processes only: a port number where the bench's own argv has "{port}", and "[e]" so
+    # that the pattern does not match this shell's command line.
+    marker = f"--port [0-9]+ --kv-cache-mb 16 --served-model-nam[e] first-{tmp_path.name}"
+    probe = f"pgrep -f -- '{marker}' >/dev/null && echo overlap >> {events}"
+    second = f"{{ {probe}; echo second >> {events}; }}; exec {SERVE}"
+    workload = "--rounds 1 --num-requests 1 --image-size 64x64 --output-tokens 2 --concurrency 1 --seed 5"
+    flags = ["--one-at-a-time"] if one_at_a_time else []
+    out = tmp_path / "compare.json"
+    proc = run_cli(
+        "bench", "compare", tiny_qwen2_vl, "--peer", f"first={first}", "--peer", f"second={second}",
+        *flags, *workload.split(), "--json", str(out),
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads(out.read_text())["results"]
+    assert [r[0]["ok"] for r in results.values()] == [1, 1]
+    assert events.read_text().split() == (["second"] if one_at_a_time else ["overlap", "second"])
+    assert gone(f"--model {tiny_qwen2_vl}")

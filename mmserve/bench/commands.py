@@ -122,7 +122,9 @@ def _compare(args: argparse.Namespace) -> int:
     slo = stats.parse_slo(args.slo) if args.slo else None
     workload, load = _workload(args), _load(args, "")
     try:
-        results = compare.compare(args.model, configs, workload, load, args.rounds, slo, peers)
+        results = compare.compare(
+            args.model, configs, workload, load, args.rounds, slo, peers, args.one_at_a_time
+        )
     except PeerError as e:
         raise SystemExit(f"bench compare: {e}") from None
     print(compare.report(results))
@@ -343,6 +345,12 @@ def add_bench_parser(sub) -> None:
         'e.g. llamacpp="llama-server -m m.gguf --mmproj p.gguf --port {port}" (repeatable; docs/llamacpp.md)',
     )
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument(
+        "--one-at-a-time",
+        action="store_true",
+        help="start each server for its own turn and stop it after (every round): none idles beside the one "
+        "measured, and models too large to be loaded twice can be compared",
+    )
     p.add_argument("--plot", default=None, help="write latency/throughput bars to this PNG")
     _add_workload_args(p)
     p.set_defaults(func=_compare)

@@ -20,7 +20,7 @@ from mmserve.bench import server_metrics, stats
 from mmserve.bench.peer import PeerSpec, start_peer, stop_peer
 from mmserve.bench.workload import WorkloadConfig, build_workload
 from mmserve.testing.probes import tree_resident_mb
-from mmserve.testing.server_process import start_server
+from mmserve.testing.server_process import ServerHandle, start_server
 
 # Summary metrics shown side by side: (label, path into Summary.to_json(), higher is better)
 HEADLINE = (
@@ -91,43 +91,65 @@ def compare(
     rounds: int,
     slo: stats.SLO | None = None,
     peers: tuple[PeerSpec, ...] = (),
+    one_at_a_time: bool = False,
 ) -> dict[str, list[dict[str, Any]]]:
     """`peers` get the same requests and client as the configurations, asking their model of GET /v1/models
     (or sending `load_template.model`); their server-side breakdown is skipped unless they have mmserve
-    metrics. Every server and peer started here is stopped on the way out, error or not."""
+    metrics. Every server and peer is up for the whole run, or, `one_at_a_time`, started for its own turn and
+    stopped after it (in every round): none idles beside the one measured, and models that do not fit in memory
+    twice can be compared. Every server and peer started here is stopped on the way out, error or not."""
     import shlex
 
     results: dict[str, list[dict[str, Any]]] = {name: [] for name in [*configs, *(p.name for p in peers)]}
-    servers, peer_servers, baseline = {}, {}, None
+    by_name = {p.name: p for p in peers}
+    servers: dict[str, ServerHandle] = {}  # configurations' and peers' servers now up, by name
+    baselines: dict[str, Any] = {}  # the in-process `hf` baseline while loaded
+
+    def start(name: str, logs: str) -> None:
+        if name in by_name:
+            servers[name] = start_peer(by_name[name], model_dir, logs)
+        elif name == "hf":
+            from mmserve.bench.hf_baseline import HFBaseline
+            from mmserve.models.resolve import resolve_dtype, resolve_model_path
+
+            # in the dtype `mmserve serve` picks by default (--dtype auto), so both compute alike
+            path = resolve_model_path(model_dir)
+            baselines[name] = HFBaseline(path, resolve_dtype(path, "auto"))
+        else:
+            servers[name] = start_server(
+                model_dir, *shlex.split(configs[name]), log_dir=logs, timeout_s=900, served_model_name="bench"
+            )
+
+    def stop(name: str) -> None:
+        baselines.pop(name, None)
+        server = servers.pop(name, None)
+        if server is not None and name in by_name:
+            stop_peer(server)
+        elif server is not None:
+            server.stop()
+
     with tempfile.TemporaryDirectory() as logs:
         try:
-            for peer in peers:
-                peer_servers[peer.name] = start_peer(peer, model_dir, logs)
-            for name, flags in configs.items():
-                if name == "hf":
-                    from mmserve.bench.hf_baseline import HFBaseline
-                    from mmserve.models.resolve import resolve_dtype, resolve_model_path
-
-                    # in the dtype `mmserve serve` picks by default (--dtype auto), so both compute alike
-                    path = resolve_model_path(model_dir)
-                    baseline = HFBaseline(path, resolve_dtype(path, "auto"))
-                else:
-                    servers[name] = start_server(
-                        model_dir, *shlex.split(flags), log_dir=logs, timeout_s=900, served_model_name="bench"
-                    )
+            if not one_at_a_time:  # peers first: the slowest to come up
+                for name in [*by_name, *configs]:
+                    start(name, logs)
             for r in range(rounds):
                 requests = build_workload(dataclasses.replace(workload, seed=workload.seed + 1000 * r))
                 for name in results:
+                    if one_at_a_time:
+                        start(name, logs)
                     if name == "hf":
-                        traces, wall_s = baseline.run(requests)
+                        traces, wall_s = baselines[name].run(requests)
                         summary = stats.summarize(traces, wall_s, slo).to_json()
                     else:
-                        server = peer_servers.get(name) or servers[name]
+                        server = servers[name]
                         cfg = dataclasses.replace(load_template, url=server.url, progress=False)
-                        if name in servers:
+                        if name in configs:
                             cfg = dataclasses.replace(cfg, model="bench")
                         summary = result_json(*run_one(cfg, requests, slo))
                         summary["resident_mb"], summary["peak_resident_mb"] = tree_resident_mb(server.proc.pid)
+                    if one_at_a_time:
+                        stop(name)
                     results[name].append(summary)
                     print(
                         f"round {r + 1} {name:<16} "
@@ -139,10 +161,8 @@ def compare(
                         flush=True,
                     )
         finally:
-            for peer_server in peer_servers.values():
-                stop_peer(peer_server)
-            for server in servers.values():
-                server.stop()
+            for name in [*by_name, *configs]:  # peers first, as before
+                stop(name)
     return results
 
 
